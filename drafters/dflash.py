@@ -1,0 +1,308 @@
+"""DFlash: a block-parallel drafter conditioned on target hidden states (z-lab DFlash; speculators 0.9.0).
+
+A block is [anchor token, mask x (B-1)]: the anchor is the last token the target verified, the mask
+slots are filled with draft tokens in one forward pass. Target states of `target_layer_ids` are fused by
+`fc` -> `hidden_norm` and injected as extra K/V context in every drafter layer; queries come from the
+block only. All anchors of a packed sequence are trained in one pass, blocks never seeing each other.
+
+Loss: CE to the target's greedy token at each block position, weighted by D-PACE
+(q_i = exp(-CE_i) detached, q~_i = (1-alpha) q_i + alpha, w_j = sum_{m>=j} prod_{i<=m} q~_i).
+
+Suffixes: T packed tokens, N anchors, B block size, K = B-1 draft tokens, D hidden, V vocab.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from drafters.base import Drafter, StepOutput, resolve_token_id
+from drafters.layers import QKVProjections, Rotary, SwiGLU, apply_rotary
+from feature_server.contract import FeatureSpec
+from kernels.attention import anchor_block_plan
+from kernels.logits import chunked_argmax, chunked_ce
+from trainer.batch import PackedBatch
+from trainer.target import RMSNorm, TargetHead, TargetInfo
+
+
+@dataclass
+class DFlashConfig:
+    """Production defaults (field report): 5 layers, 5 target layers, window 2048, 1024 anchors, block 8."""
+
+    name: str = "dflash"
+    num_layers: int = 5
+    block_size: int = 8
+    target_layer_ids: list[int] | None = None  # None: spread num_target_layers over depth
+    num_target_layers: int = 5
+    # Attention geometry: None copies the target's (as z-lab drafters do).
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None  # None: the target's dense MLP width, else 3 x hidden
+    rms_norm_eps: float = 1e-6
+    rope_theta: float | None = None  # None: the target's
+    sliding_window: int | None = 2048  # None: full attention in every layer
+    causal_in_block: bool = False  # bidirectional inside a block, as DFlash trains
+    max_anchors: int = 1024  # per packed sequence
+    loss_weighting: str = "dpace"  # dpace | exp_decay (speculators' "fixed-exp-decay") | uniform
+    dpace_alpha: float = 0.5
+    decay_gamma: float = 4.0  # exp_decay: draft slot j (0-based) weighs exp(-j / gamma)
+    mask_token: str = "<|mask|>"  # its embedding comes from the target
+    attention_impl: str = "auto"  # auto (CUDA: compiled flex; CPU: chunked SDPA) | flex | chunked | reference
+
+
+def spread_layer_ids(num_hidden_layers: int, n: int) -> list[int]:
+    """n layer ids (vLLM convention) spread over depth, z-lab style: from layer 2 to L-2 where it fits."""
+    lo, hi = (2, num_hidden_layers - 2) if num_hidden_layers - 3 >= n else (1, num_hidden_layers - 1)
+    n = min(n, hi - lo + 1)
+    if n == 1:
+        return [hi]
+    return sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)})
+
+
+def dpace_weights(ce_NK: torch.Tensor, valid_NK: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights: suffix sums of the smoothed confidence's prefix products."""
+    with torch.no_grad():
+        smooth = torch.where(valid_NK, (1.0 - alpha) * torch.exp(-ce_NK.float()) + alpha, torch.ones_like(ce_NK))
+        prefix = torch.cumprod(smooth, dim=-1) * valid_NK
+        return prefix.flip(-1).cumsum(-1).flip(-1) * valid_NK
+
+
+LOSS_WEIGHTINGS = ("dpace", "exp_decay", "uniform")
+
+
+def exp_decay_weights(valid_NK: torch.Tensor, gamma: float) -> torch.Tensor:
+    """speculators' fixed-exp-decay: draft slot j = 0..K-1 weighs exp(-j / gamma), zero where not valid."""
+    j_K = torch.arange(valid_NK.shape[1], device=valid_NK.device, dtype=torch.float32)
+    return torch.exp(-j_K / gamma) * valid_NK
+
+
+def position_weights(cfg: DFlashConfig, loss_NK: torch.Tensor, valid_NK: torch.Tensor) -> torch.Tensor:
+    """Per-slot loss weights [N, K] (detached), zero where not valid.
+
+    dpace: D-PACE on the per-slot loss; exp_decay: speculators' fixed-exp-decay, exp(-j / gamma) for draft
+    slot j = 0..K-1 (their slot 1.. with sample_from_anchor=False, slot 0.. with True); uniform: 1.
+    """
+    if cfg.loss_weighting == "dpace":
+        return dpace_weights(loss_NK, valid_NK, cfg.dpace_alpha)
+    if cfg.loss_weighting == "exp_decay":
+        return exp_decay_weights(valid_NK, cfg.decay_gamma)
+    if cfg.loss_weighting == "uniform":
+        return valid_NK.float()
+    raise ValueError(f"drafter.loss_weighting={cfg.loss_weighting!r} is not one of {LOSS_WEIGHTINGS}")
+
+
+class DFlashAttention(QKVProjections):
+    def forward(self, x_QD, ctx_TD, rope_q, rope_k, attention) -> torch.Tensor:
+        q = apply_rotary(self.queries(x_QD), *rope_q)
+        k, v = self.keys_values(torch.cat([ctx_TD, x_QD]))
+        k = apply_rotary(k, *rope_k)
+        out = attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.scale)
+        return self.o_proj(out.reshape(x_QD.shape[0], -1))
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+    @classmethod
+    def of(cls, cfg: DFlashConfig, target: TargetInfo) -> "LayerShape":
+        return cls(
+            hidden=target.hidden_size,
+            num_heads=cfg.num_attention_heads or target.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads or target.num_key_value_heads,
+            head_dim=cfg.head_dim or target.head_dim,
+            intermediate=cfg.intermediate_size or target.intermediate_size or 3 * target.hidden_size,
+            eps=cfg.rms_norm_eps,
+        )
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, shape: LayerShape):
+        super().__init__()
+        hidden, intermediate, eps = shape.hidden, shape.intermediate, shape.eps
+        self.self_attn = DFlashAttention(hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim, eps)
+        self.mlp = SwiGLU(hidden, intermediate)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x_QD, ctx_TD, rope_q, rope_k, attention) -> torch.Tensor:
+        # The context is already normed (hidden_norm) and skips input_layernorm, as in speculators/vLLM.
+        x_QD = x_QD + self.self_attn(self.input_layernorm(x_QD), ctx_TD, rope_q, rope_k, attention)
+        return x_QD + self.mlp(self.post_attention_layernorm(x_QD))
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    speculators_model_type = "dflash"
+    architecture = "DFlashDraftModel"
+
+    def __init__(self, cfg: DFlashConfig, target: TargetInfo, mask_token_id: int):
+        super().__init__()
+        self.cfg, self.target, self.mask_token_id = cfg, target, mask_token_id
+        self.block_size = cfg.block_size
+        self.target_layer_ids = list(cfg.target_layer_ids or spread_layer_ids(target.num_hidden_layers, cfg.num_target_layers))
+        FeatureSpec(tuple(self.target_layer_ids)).check_against(target.num_hidden_layers)
+        D = target.hidden_size
+        self.shape = LayerShape.of(cfg, target)
+        self.rope_theta = cfg.rope_theta or target.rope_theta
+        self.fc = nn.Linear(len(self.target_layer_ids) * D, D, bias=False)
+        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.rotary = Rotary(self.shape.head_dim, self.rope_theta)
+        self.apply(_init_linear)
+
+    @classmethod
+    def build(cls, cfg: DFlashConfig, target: TargetInfo, tokenizer) -> "DFlashDrafter":
+        return cls(cfg, target, resolve_token_id(tokenizer, cfg.mask_token, "drafter.mask_token"))
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        """Variants (DSpark, DFlash 2) override this to wrap the shared layer."""
+        return DFlashDecoderLayer(self.shape)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.block_size - 1
+
+    def feature_spec(self) -> FeatureSpec:
+        # The last layer (pre-norm) gives the target's own distribution, computed by the trainer.
+        return FeatureSpec(tuple(sorted(set(self.target_layer_ids) | {self.target.num_hidden_layers})))
+
+    # --- forward -----------------------------------------------------------------------------------
+    def block_hidden(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
+        """Final-normed drafter states [N, B, D] for one block per anchor, all blocks in one pass."""
+        N, B = anchors_N.shape[0], self.block_size
+        ctx_TD = self.hidden_norm(self.fc(batch.layers(self.target_layer_ids).flatten(1)))
+        block_ids_NB = torch.full((N, B), self.mask_token_id, dtype=torch.long, device=anchors_N.device)
+        block_ids_NB[:, 0] = batch.input_ids_T[anchors_N]
+        x_QD = head.embed_tokens(block_ids_NB.flatten()).to(ctx_TD.dtype)
+        block_pos_Q = (batch.position_ids_T[anchors_N][:, None] + torch.arange(B, device=anchors_N.device)).flatten()
+        rope_q = self.rotary(block_pos_Q)
+        rope_k = self.rotary(torch.cat([batch.position_ids_T, block_pos_Q]))
+        # One attention plan (mask or chunking) per batch, shared by every layer.
+        attention = anchor_block_plan(batch.document_ids_T, anchors_N, B, self.cfg.sliding_window,
+                                      self.cfg.causal_in_block, impl=self.cfg.attention_impl)
+        for layer in self.layers:
+            x_QD = layer(x_QD, ctx_TD, rope_q, rope_k, attention)
+        return self.norm(x_QD).view(N, B, -1)
+
+    def label_positions(self, batch: PackedBatch, anchors_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token positions [N, K] each draft slot predicts, and which of them carry loss."""
+        T = batch.num_tokens
+        pos_NK = anchors_N[:, None] + torch.arange(1, self.block_size, device=anchors_N.device)
+        clamped = pos_NK.clamp(max=T - 1)
+        valid = (pos_NK < T) & batch.loss_mask_T[clamped]
+        valid &= batch.document_ids_T[clamped] == batch.document_ids_T[anchors_N][:, None]
+        return clamped, valid
+
+    def select_anchors(self, batch: PackedBatch, generator: torch.Generator) -> torch.Tensor:
+        """Anchors are response tokens (the first one is what the target emits after the prompt)."""
+        candidates = torch.nonzero(batch.loss_mask_T).squeeze(-1)
+        if candidates.numel() > self.cfg.max_anchors:
+            pick = torch.randperm(candidates.numel(), generator=generator)[: self.cfg.max_anchors]
+            candidates = candidates[pick.to(candidates.device)].sort().values
+        return candidates
+
+    def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator) -> StepOutput:
+        anchors_N = self.select_anchors(batch, generator)
+        pos_NK, valid_NK = self.label_positions(batch, anchors_N)
+        last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
+        # Response-only target logits: the target's token at p comes from its state at p-1.
+        target_M = head.argmax(last_TD[pos_NK[valid_NK] - 1])
+        hidden_MD = self.block_hidden(batch, head, anchors_N)[:, 1:][valid_NK]
+        # Draft logits only at loss positions, a chunk at a time (never [M, vocab] for backward).
+        ce_M = chunked_ce(hidden_MD, head.lm_head.weight, target_M)
+        ce_NK = torch.zeros(valid_NK.shape, device=ce_M.device).masked_scatter(valid_NK, ce_M)
+        weight_NK = position_weights(self.cfg, ce_NK, valid_NK)
+        loss = (weight_NK * ce_NK).sum() / valid_NK.sum().clamp(min=1)
+        predicted_M = chunked_argmax(hidden_MD.detach(), head.lm_head.weight)
+        correct_NK = torch.zeros_like(valid_NK).masked_scatter(valid_NK, predicted_M == target_M)
+        return block_metrics(loss, correct_NK, valid_NK)
+
+    @torch.no_grad()
+    def propose(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
+        hidden_NKD = self.block_hidden(batch, head, anchors_N)[:, 1:]
+        return chunked_argmax(hidden_NKD.flatten(0, 1), head.lm_head.weight).view(hidden_NKD.shape[:2])
+
+    # --- export ------------------------------------------------------------------------------------
+    def speculators_config(self, target: TargetInfo) -> dict:
+        cfg, n = self.cfg, len(self.layers)
+        layer_type = "sliding_attention" if cfg.sliding_window else "full_attention"
+        return {
+            "architectures": [self.architecture],
+            "speculators_model_type": self.speculators_model_type,
+            "speculators_version": "0.9.0",
+            "transformer_layer_config": {
+                "model_type": "qwen3",
+                "vocab_size": target.vocab_size,
+                "hidden_size": target.hidden_size,
+                "intermediate_size": self.shape.intermediate,
+                "num_hidden_layers": n,
+                "num_attention_heads": self.shape.num_heads,
+                "num_key_value_heads": self.shape.num_kv_heads,
+                "head_dim": self.shape.head_dim,
+                "hidden_act": "silu",
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "attention_bias": False,
+                "max_position_embeddings": target.max_position_embeddings,
+                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+                "use_sliding_window": cfg.sliding_window is not None,
+                "sliding_window": cfg.sliding_window,
+                "max_window_layers": 0,
+                "layer_types": [layer_type] * n,
+                "tie_word_embeddings": False,
+            },
+            "draft_vocab_size": target.vocab_size,
+            "target_hidden_size": target.hidden_size,
+            "block_size": self.block_size,
+            "aux_hidden_state_layer_ids": self.target_layer_ids,
+            "mask_token_id": self.mask_token_id,
+            # vLLM 0.32 serves `causal = not sliding_window_non_causal`: write the training mask explicitly.
+            "sliding_window_non_causal": not cfg.causal_in_block,
+            "sample_from_anchor": False,
+            "tie_word_embeddings": False,
+            "dtype": target.torch_dtype,
+            "speculators_config": {
+                "algorithm": self.speculators_model_type,
+                "proposal_methods": [
+                    {"proposal_type": "greedy", "speculative_tokens": self.num_speculative_tokens,
+                     "accept_tolerance": 0.0, "verifier_accept_k": 1}
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": str(target.path.resolve()), "architectures": list(target.architectures)},
+            },
+        }
+
+    def export(self, out_dir: Path, target: TargetInfo) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(target.torch_dtype, torch.float32)
+        tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        (out_dir / "config.json").write_text(json.dumps(self.speculators_config(target), indent=2) + "\n")
+
+
+def block_metrics(loss: torch.Tensor, correct_NK: torch.Tensor, valid_NK: torch.Tensor) -> StepOutput:
+    """Per-position accuracy and the accepted-prefix length of each block whose first slot is scored."""
+    scored = valid_NK[:, 0]
+    accepted = torch.cumprod((correct_NK & valid_NK).long(), dim=1).sum(1)
+    return StepOutput(
+        loss=loss,
+        correct_K=(correct_NK & valid_NK).sum(0),
+        total_K=valid_NK.sum(0),
+        accepted_prefix_sum=accepted[scored].sum(),
+        blocks=scored.sum(),
+    )
+
+
+def _init_linear(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)

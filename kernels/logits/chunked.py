@@ -1,0 +1,109 @@
+"""Response-only losses in chunks: logits exist for `chunk` positions at a time, in forward and backward.
+
+The caller gathers the M loss positions first (hidden_MD = hidden_TD[loss positions]), so no [T, V] tensor is
+ever built; this module also never holds [M, V]: forward keeps only the per-position losses, backward
+recomputes each chunk's logits (draft and target) and turns them into dL/dh and dL/dW right away.
+Per-position losses are returned ([M], reduction left to the caller, e.g. D-PACE weights).
+
+Gradients w.r.t. the draft logits z (q = softmax z, p = target distribution, y = label):
+  CE  = lse(z) - z_y                     -> q - onehot(y)
+  KL  = sum p (log p - log q)            -> q - p
+  TV  = 0.5 sum |p - q|, s = sign(q - p) -> 0.5 q (s - <s, q>)
+Logits are computed in the weights' dtype and upcast to fp32, as the reference does.
+Suffixes: M loss positions, C chunk rows, D hidden, V vocab.
+"""
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_CHUNK = 1024
+
+
+def _loss_and_grad(kind, z_CV, target_CV, labels_C, ignore_index, need_grad):
+    """Per-row loss [C] and, when needed, dloss/dz [C, V] (fp32)."""
+    logq = torch.log_softmax(z_CV, -1)
+    if kind == "ce":
+        valid = labels_C != ignore_index
+        safe = torch.where(valid, labels_C, 0)
+        loss = -logq.gather(1, safe[:, None])[:, 0] * valid
+        if not need_grad:
+            return loss, None
+        grad = logq.exp_()
+        grad[torch.arange(grad.shape[0], device=grad.device), safe] -= 1
+        return loss, grad * valid[:, None]
+    logp = torch.log_softmax(target_CV, -1)
+    p = logp.exp()
+    q = logq.exp()
+    if kind == "kl":
+        loss = (p * (logp - logq)).sum(-1)
+        return loss, (q - p if need_grad else None)
+    diff = q - p
+    loss = 0.5 * diff.abs().sum(-1)
+    if not need_grad:
+        return loss, None
+    s = torch.sign(diff)
+    return loss, 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M, kind, chunk, ignore_index):
+        losses = []
+        for c0 in range(0, hidden_MD.shape[0], chunk):
+            z, t = _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, c0, chunk)
+            lab = labels_M[c0:c0 + chunk] if labels_M is not None else None
+            losses.append(_loss_and_grad(kind, z, t, lab, ignore_index, need_grad=False)[0])
+        ctx.save_for_backward(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M)
+        ctx.kind, ctx.chunk, ctx.ignore_index = kind, chunk, ignore_index
+        return torch.cat(losses) if losses else hidden_MD.new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g_M):
+        hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M = ctx.saved_tensors
+        chunk = ctx.chunk
+        d_hidden = torch.empty_like(hidden_MD) if ctx.needs_input_grad[0] else None
+        d_weight = torch.zeros_like(weight_VD, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for c0 in range(0, hidden_MD.shape[0], chunk):
+            z, t = _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, c0, chunk)
+            lab = labels_M[c0:c0 + chunk] if labels_M is not None else None
+            _, dz = _loss_and_grad(ctx.kind, z, t, lab, ctx.ignore_index, need_grad=True)
+            dz = (dz * g_M[c0:c0 + chunk, None]).to(weight_VD.dtype)
+            if d_hidden is not None:
+                d_hidden[c0:c0 + chunk] = dz @ weight_VD
+            if d_weight is not None:
+                d_weight.add_(dz.t() @ hidden_MD[c0:c0 + chunk])  # accumulated over chunks in fp32
+        d_weight = d_weight.to(weight_VD.dtype) if d_weight is not None else None
+        return d_hidden, d_weight, None, None, None, None, None, None
+
+
+def _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, c0, chunk):
+    z = F.linear(hidden_MD[c0:c0 + chunk], weight_VD).float()
+    if target_hidden_MD is None:
+        return z, None
+    with torch.no_grad():
+        t = F.linear(target_hidden_MD[c0:c0 + chunk], target_weight_VD).float()
+    return z, t
+
+
+def chunked_ce(hidden_MD, weight_VD, labels_M, chunk: int = DEFAULT_CHUNK, ignore_index: int = -100):
+    """Per-position CE [M] of softmax(hidden W^T) to hard labels; equals `reference.ce_reference`."""
+    return _ChunkedLoss.apply(hidden_MD, weight_VD, None, None, labels_M, "ce", chunk, ignore_index)
+
+
+def chunked_kl(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, chunk: int = DEFAULT_CHUNK):
+    """Per-position KL(target || draft) [M]; target logits = target_hidden W_t^T, built per chunk, no grad."""
+    return _ChunkedLoss.apply(hidden_MD, weight_VD, target_hidden_MD.detach(), target_weight_VD.detach(), None,
+                              "kl", chunk, -100)
+
+
+def chunked_tv(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, chunk: int = DEFAULT_CHUNK):
+    """Per-position total-variation distance 0.5 |p_target - q| [M]; equals `reference.tv_reference`."""
+    return _ChunkedLoss.apply(hidden_MD, weight_VD, target_hidden_MD.detach(), target_weight_VD.detach(), None,
+                              "tv", chunk, -100)
+
+
+@torch.no_grad()
+def chunked_argmax(hidden_MD, weight_VD, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Greedy token [M] of hidden W^T, a chunk of logits at a time (metrics, the served draft)."""
+    out = [F.linear(hidden_MD[c0:c0 + chunk], weight_VD).argmax(-1) for c0 in range(0, hidden_MD.shape[0], chunk)]
+    return torch.cat(out) if out else hidden_MD.new_zeros(0, dtype=torch.long)

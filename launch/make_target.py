@@ -1,0 +1,29 @@
+"""Build a tiny target checkpoint.
+
+    python -m launch.make_target NAME DIR [--fit-steps N]    # NAME in launch.targets.TINY_TARGETS
+
+--fit-steps 0 keeps the random init (greedy outputs then loop on one token); the default fits the target on
+the synthetic workload for the spec's step count (<= ~60 s on 2 cores).
+"""
+
+import argparse
+import time
+
+from launch.targets import TINY_TARGETS, make_target, target_summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Build a tiny target checkpoint (deterministic).")
+    p.add_argument("name", help=f"one of: {', '.join(TINY_TARGETS)}")
+    p.add_argument("out_dir")
+    p.add_argument("--fit-steps", type=int, default=None, help="0 = random init; default: the spec's count")
+    a = p.parse_args(argv)
+    if a.name not in TINY_TARGETS:
+        p.error(f"unknown tiny target {a.name!r}; valid names: {', '.join(TINY_TARGETS)}")
+    t0 = time.perf_counter()
+    out = make_target(a.name, a.out_dir, fit_steps=a.fit_steps)
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {target_summary(out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The main job: python -m launch.train drafter=NAME target=NAME|target.path=DIR [key=value ...]
+
+Hydra composes conf/ (strict schemas, launch/config.py), this builds the Trainer and runs it. The run
+directory (hydra.run.dir) ends with export/ and metrics.json; re-running with the same directory
+resumes from its last checkpoint.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from launch.config import register_configs
+from launch.prepare import resolve_data, resolve_target
+from trainer.run_info import write_run_info
+from trainer.trainer import Trainer
+
+log = logging.getLogger("specdistill")
+register_configs()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> dict:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    cache_dir = Path(cfg.cache_dir).expanduser()
+    target_dir = resolve_target(OmegaConf.to_object(cfg.target), cache_dir)
+    train_path, heldout_path = resolve_data(OmegaConf.to_object(cfg.data), target_dir, cache_dir)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    write_run_info(run_dir, resolved)
+    trainer = Trainer(
+        drafter_cfg=OmegaConf.to_object(cfg.drafter),
+        trainer_cfg=OmegaConf.to_object(cfg.trainer),
+        server_cfg=OmegaConf.to_object(cfg.feature_server),
+        run_dir=run_dir,
+        target_dir=target_dir,
+        train_path=train_path,
+        heldout_path=heldout_path,
+        resolved_config=resolved,
+    )
+    metrics = trainer.train()
+    if metrics:
+        log.info("export: %s", metrics["export_dir"])
+        log.info("metrics: %s", json.dumps({k: metrics[k] for k in ("steps", "tau_offline", "training_seconds",
+                                                                   "feature_extraction_seconds")}))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""bench/vllm_serve.py against real vLLM: a DFlash drafter built with speculators' own classes, on the tiny llama.
+
+The drafter is independent of our trainer: speculators' DFlashSpeculatorConfig + DFlashDraftModel, random init,
+then a few weights set by hand so that it drafts something the target sometimes accepts (see
+`make_speculators_dflash`), which makes the acceptance counters non-trivial. One base engine and one speculative
+engine start once for the whole module (the `comparison` fixture).
+"""
+
+import json
+
+import pytest
+import torch
+
+from bench.vllm_serve import compare, read_prompts, report_lines, serve, speculative_config
+
+pytestmark = pytest.mark.vllm  # engine-starting tests are marked slow too
+
+BLOCK_SIZE = 4
+K = BLOCK_SIZE - 1  # speculative tokens per draft (anchor is the bonus token: sample_from_anchor=False)
+AUX_LAYER_IDS = [1, 2, 4]  # 4 = the tiny llama's last layer before the final norm
+MAX_TOKENS = 24
+
+
+def make_speculators_dflash(target_dir, out_dir) -> None:
+    """A DFlash drafter in speculators format, written by speculators' own save_pretrained.
+
+    Random weights draft tokens the target never accepts, so a few are set by hand: fc reads only the last aux
+    layer (the pre-norm state the target's lm_head sees), q_proj = 0 makes attention uniform over the context,
+    v_proj = I and o_proj = 20 I let that context mean dominate the mask embedding, and down_proj = 0 drops the
+    MLP. The draft is then roughly "the token the target predicted on average so far", which repetitive prompts
+    make right part of the time.
+    """
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig, Qwen3Config
+
+    target = AutoConfig.from_pretrained(target_dir)
+    H = target.hidden_size
+    layer = Qwen3Config(vocab_size=target.vocab_size, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1,
+                        num_attention_heads=H // 32, num_key_value_heads=H // 32, head_dim=32,
+                        max_position_embeddings=target.max_position_embeddings, rms_norm_eps=target.rms_norm_eps)
+    config = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=target.vocab_size, block_size=BLOCK_SIZE,
+        aux_hidden_state_layer_ids=AUX_LAYER_IDS, mask_token_id=target.vocab_size - 1,
+        sliding_window_non_causal=True,  # vLLM: causal = not this -> bidirectional in-block attention
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=K)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=str(target_dir), architectures=target.architectures)))
+    torch.manual_seed(0)
+    model = DFlashDraftModel(config)
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.weight[:, -H:] = torch.eye(H)
+        attn = model.layers[0].self_attn
+        attn.q_proj.weight.zero_()
+        attn.v_proj.weight.copy_(torch.eye(H))
+        attn.o_proj.weight.copy_(20 * torch.eye(H))
+        model.layers[0].mlp.down_proj.weight.zero_()
+    model.save_pretrained(out_dir)
+
+
+def repetitive_prompts(vocab_size: int, n: int = 6) -> list[list[int]]:
+    """A varied head then one token repeated: a random target falls into short cycles the drafter can catch."""
+    g = torch.Generator().manual_seed(0)
+    heads = torch.randint(3, vocab_size - 2, (n, 6), generator=g).tolist()
+    tails = torch.randint(3, vocab_size - 2, (n,), generator=g).tolist()
+    return [head + [tail] * 10 for head, tail in zip(heads, tails)]
+
+
+def build_random_target(name: str, tmp_path_factory) -> str:
+    """launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
+    from launch.targets import make_target
+
+    return str(make_target(name, tmp_path_factory.mktemp(name), fit_steps=0))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return build_random_target("tiny-llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("speculators-dflash")
+    make_speculators_dflash(tiny_llama, out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama):
+    from transformers import AutoConfig
+
+    return repetitive_prompts(AutoConfig.from_pretrained(tiny_llama).vocab_size)
+
+
+@pytest.fixture(scope="module")
+def comparison(tiny_llama, drafter_dir, prompts):
+    return compare(tiny_llama, prompts, MAX_TOKENS, drafter_dir, "dflash", ignore_eos=True)
+
+
+def test_drafter_checkpoint_is_speculators_dflash(drafter_dir, tiny_llama):
+    with open(f"{drafter_dir}/config.json") as f:
+        cfg = json.load(f)
+    assert cfg["speculators_model_type"] == "dflash"
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["aux_hidden_state_layer_ids"] == AUX_LAYER_IDS
+    assert cfg["block_size"] == BLOCK_SIZE and cfg["sample_from_anchor"] is False
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == tiny_llama
+
+
+@pytest.mark.slow
+def test_vllm_served_the_drafter_as_dflash(comparison):
+    assert comparison.base.counters is None and comparison.base.method is None
+    assert comparison.spec.method == "dflash"
+    assert comparison.spec.num_speculative_tokens == K  # read from the speculators config
+
+
+@pytest.mark.slow
+def test_speculative_greedy_outputs_identical_to_base(comparison, prompts):
+    # fp32 target: verification is exact, so any difference is a serving bug, not a near-tie.
+    assert all(len(o) == MAX_TOKENS for o in comparison.base.output_token_ids)
+    assert comparison.spec.output_token_ids == comparison.base.output_token_ids
+    assert comparison.identical_outputs == len(prompts)
+
+
+@pytest.mark.slow
+def test_counters_consistent(comparison):
+    c = comparison.spec.counters
+    assert c.num_drafts > 0
+    assert c.num_draft_tokens == c.num_drafts * K
+    assert len(c.accepted_per_pos) == K
+    assert sum(c.accepted_per_pos) == c.num_accepted_tokens
+    assert list(c.accepted_per_pos) == sorted(c.accepted_per_pos, reverse=True)  # cumulative: non-increasing
+    assert c.num_accepted_tokens > 0  # the hand-set drafter is accepted sometimes; 0 would leave this untested
+    assert c.tau == pytest.approx(1 + c.num_accepted_tokens / c.num_drafts)
+    assert c.tau == pytest.approx(1 + sum(c.per_position_acceptance))
+
+
+@pytest.mark.slow
+def test_report_lines_end_with_headline_values(comparison, prompts):
+    lines = report_lines(comparison)
+    names = [line.split(":")[0] for line in lines]
+    assert names[-3:] == ["identical_outputs", "tau_served", "per_position_acceptance"]
+    assert lines[-3] == f"identical_outputs: {len(prompts)}/{len(prompts)}"
+    assert float(lines[-2].split(": ")[1]) == pytest.approx(comparison.spec.counters.tau, abs=1e-3)
+    assert len(lines[-1].split(": ")[1].split()) == K
+
+
+def test_drafter_without_method_raises(tiny_llama, drafter_dir):
+    with pytest.raises(ValueError, match="without method"):
+        serve(tiny_llama, [[5, 6, 7]], 4, drafter_dir=drafter_dir)
+    with pytest.raises(ValueError, match="without method"):
+        compare(tiny_llama, [[5, 6, 7]], 4, drafter_dir, None)
+
+
+def test_unknown_method_lists_valid_ones(drafter_dir):
+    with pytest.raises(ValueError, match="dflash.*eagle3|eagle3.*dflash"):
+        speculative_config(drafter_dir, "dlfash", None)
+
+
+def test_mtp_without_k_raises_before_engine_start(tiny_llama):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        speculative_config(tiny_llama, "mtp", None)
+
+
+def test_read_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_token_ids": [1, 2]}\n\n{"input_ids": [3]}\n')
+    assert read_prompts(str(path)) == [[1, 2], [3]]
+    path.write_text('{"text": "hi"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        read_prompts(str(path))

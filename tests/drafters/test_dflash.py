@@ -1,0 +1,138 @@
+"""DFlash: attention mask semantics, D-PACE, training signal, and parity with speculators 0.9.0's classes."""
+
+import json
+
+import pytest
+import torch
+
+from drafters.dflash import DFlashConfig, DFlashDrafter, dpace_weights, spread_layer_ids
+from kernels.attention import anchor_block_mask
+from trainer.batch import PackedBatch
+from trainer.target import TargetHead, TargetInfo
+
+
+def make_batch(info: TargetInfo, layer_ids, lengths=(20, 14), prompt=(8, 6), seed=0) -> PackedBatch:
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    loss_mask = torch.cat([torch.arange(n) >= p for n, p in zip(lengths, prompt)])
+    return PackedBatch(
+        input_ids_T=torch.randint(0, info.vocab_size, (T,), generator=g),
+        loss_mask_T=loss_mask,
+        hidden_TLD=torch.randn(T, len(layer_ids), info.hidden_size, generator=g),
+        document_ids_T=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+        position_ids_T=torch.cat([torch.arange(n) for n in lengths]),
+        layer_ids=tuple(layer_ids),
+        row_ids=tuple(range(len(lengths))),
+    )
+
+
+def small_cfg(**kw) -> DFlashConfig:
+    base = dict(num_layers=2, target_layer_ids=[1, 2, 3], sliding_window=None, max_anchors=64)
+    return DFlashConfig(**{**base, **kw})
+
+
+def test_mask_blocks_see_own_document_before_anchor_and_own_block_only():
+    docs = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    anchors = torch.tensor([2, 5])
+    B = 2
+    mask = anchor_block_mask(docs, anchors, B)
+    ctx, blk = mask[:, :7], mask[:, 7:]
+    assert ctx[0].tolist() == [True, True, False, False, False, False, False]  # strictly before 2, doc 0
+    assert ctx[2].tolist() == [False, False, False, False, True, False, False]  # doc 1 before 5
+    assert blk.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]  # bidirectional, own block
+    causal = anchor_block_mask(docs, anchors, B, causal_in_block=True)[:, 7:]
+    assert causal.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    windowed = anchor_block_mask(torch.zeros(10, dtype=torch.long), torch.tensor([8]), 1, sliding_window=3)
+    assert torch.nonzero(windowed[0, :10]).squeeze(-1).tolist() == [5, 6, 7]
+
+
+def test_dpace_weights_match_speculators():
+    from speculators.losses.utils import dpace_loss_decay
+
+    g = torch.Generator().manual_seed(1)
+    N, B = 5, 8
+    ce = torch.rand(N, B, generator=g) * 3
+    valid = torch.rand(N, B, generator=g) > 0.3
+    ours = dpace_weights(ce, valid, 0.5)
+    theirs = dpace_loss_decay(None, valid.reshape(1, -1).float(), B, 0.5, ce.reshape(1, -1)).reshape(N, B)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_spread_layer_ids_stays_in_range():
+    assert spread_layer_ids(40, 5) == [2, 11, 20, 29, 38]
+    assert spread_layer_ids(4, 5) == [1, 2, 3]  # clipped to what a 4-layer target has
+
+
+def test_label_positions_stop_at_document_end(tiny_llama_dir):
+    info = TargetInfo.load(tiny_llama_dir)
+    drafter = DFlashDrafter(small_cfg(block_size=4), info, mask_token_id=3)
+    batch = make_batch(info, [1, 2, 3, 4])
+    anchors = torch.tensor([19, 18, 33])  # last response token of doc 0, one before it, last of the pack
+    _, valid = drafter.label_positions(batch, anchors)
+    assert valid.tolist() == [[False] * 3, [True, False, False], [False] * 3]
+
+
+def test_training_step_learns(tiny_llama_dir):
+    """On a learnable stream (each token fixes the next; states are a function of the token) the loss falls."""
+    torch.manual_seed(0)
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    head.lm_head.weight.data *= 30  # HF's std-0.02 init gives near-flat logits a trained target never has
+    # Uniform weights: D-PACE weights grow as the drafter improves, so its loss is no progress measure.
+    drafter = DFlashDrafter(small_cfg(loss_weighting="uniform"), info, mask_token_id=3)
+    batch = make_batch(info, drafter.feature_spec().layer_ids)
+    ids = [5]
+    for _ in range(batch.num_tokens - 1):
+        ids.append((ids[-1] * 7 + 3) % info.vocab_size)
+    batch.input_ids_T = torch.tensor(ids)
+    table = torch.randn(info.vocab_size, info.hidden_size, generator=torch.Generator().manual_seed(3))
+    batch.hidden_TLD = table[batch.input_ids_T][:, None].expand_as(batch.hidden_TLD).contiguous()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(40):
+        out = drafter.training_step(batch, head, g)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss))
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert out.correct_K.sum() > 0.5 * out.total_K.sum()
+
+
+@pytest.mark.parametrize("causal_in_block", [False, True])
+def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, causal_in_block):
+    """Our export, loaded by speculators' own DFlashDraftModel, gives the same logits (fp32, 1e-4)."""
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dflash.utils import select_anchors
+
+    torch.manual_seed(0)
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    drafter = DFlashDrafter(small_cfg(causal_in_block=causal_in_block, sliding_window=16 if causal_in_block else None),
+                            info, mask_token_id=3)
+    for p in drafter.parameters():  # norms away from 1 so a convention mix-up would show
+        if p.ndim == 1:
+            p.data.uniform_(0.5, 1.5)
+    drafter.export(tmp_path, info)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["sliding_window_non_causal"] is (not causal_in_block)
+
+    ref_config = DFlashSpeculatorConfig.from_pretrained(str(tmp_path))
+    ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
+    ref = DFlashDraftModel.from_pretrained(str(tmp_path), config=ref_config).float().eval()
+    ref.load_verifier_weights()
+    batch = make_batch(info, drafter.feature_spec().layer_ids)
+    B = drafter.block_size
+    n_valid = int(batch.loss_mask_T[:-B].sum())
+    torch.manual_seed(7)
+    anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, B)
+    aux = batch.layers(drafter.target_layer_ids).flatten(1)[None]
+    last = batch.layers([info.num_hidden_layers])[:, 0][None]
+    torch.manual_seed(7)  # same anchors inside the reference
+    with torch.no_grad():
+        _, ref_logits, _, _, _ = ref._backbone_forward(
+            aux, batch.input_ids_T[None], batch.loss_mask_T[None].long(), last, batch.document_ids_T[None],
+            batch.position_ids_T[None], max_anchors=n_valid)
+        ours = head.lm_head(drafter.block_hidden(batch, head, anchors)).reshape(1, -1, info.vocab_size)
+    assert (ours - ref_logits).abs().max() <= 1e-4

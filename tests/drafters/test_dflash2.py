@@ -1,0 +1,209 @@
+"""DFlash 2: the convolution (identity at init, inside blocks only), selector labels, the greedy selector walk,
+training signal, and parity with speculators 0.9.0's DFlash2DraftModel (logits, selector scores, loss)."""
+
+import json
+
+import pytest
+import torch
+
+from drafters.dflash import DFlashDrafter
+from drafters.dflash2 import (DFlash2Config, DFlash2Drafter, GroupedDynamicCausalConv, chunked_topk,
+                              grouped_dynamic_conv, selector_training_candidates)
+from tests.drafters.test_dflash import make_batch
+from trainer.target import TargetHead, TargetInfo
+
+
+def small_cfg(**kw) -> DFlash2Config:
+    base = dict(num_layers=2, target_layer_ids=[1, 2, 3], sliding_window=None, max_anchors=64, selector_rank=16)
+    return DFlash2Config(**{**base, **kw})
+
+
+def randomize_convs(drafter: DFlash2Drafter, std: float = 0.3) -> None:
+    for name, p in drafter.named_parameters():
+        if "_conv." in name:
+            p.data.normal_(0, std)
+
+
+def test_conv_is_identity_at_init(tiny_llama_dir):
+    """A fresh DFlash 2 backbone equals DFlash with the same weights: both convolutions start as identities."""
+    torch.manual_seed(0)
+    conv = GroupedDynamicCausalConv(64, block_size=4, kernel_size=2, group_size=16)
+    x = torch.randn(12, 64)
+    y, delta = conv.prepare(x)
+    assert torch.equal(y, x) and torch.equal(conv.finish(x, delta), x)
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    ours = DFlash2Drafter(small_cfg(), info, mask_token_id=3)
+    plain = DFlashDrafter(small_cfg(name="dflash"), info, mask_token_id=3)
+    missing, unexpected = plain.load_state_dict(ours.state_dict(), strict=False)
+    assert not missing and all("_conv." in k or k.startswith("candidate_selector.") for k in unexpected)
+    batch = make_batch(info, ours.feature_spec().layer_ids)
+    anchors = torch.tensor([9, 12, 27])
+    torch.testing.assert_close(ours.block_hidden(batch, head, anchors), plain.block_hidden(batch, head, anchors))
+
+
+def test_conv_stays_inside_its_block():
+    """Kernel 2: a change at slot j reaches slots j and j+1 of its own block only, never the next block."""
+    from speculators.models.dflash2.model_definitions import grouped_dynamic_conv as reference
+
+    torch.manual_seed(0)
+    B, N, D, gs = 4, 3, 32, 8
+    x = torch.randn(N * B, D)
+    delta = torch.randn(N * B, 2, D // gs)
+    base = torch.randn(2, D)
+    y = grouped_dynamic_conv(x, delta, base, B, gs)
+    torch.testing.assert_close(y, reference(x, delta, base, block_size=B, group_size=gs))
+    for j in range(N * B):
+        bumped = x.clone()
+        bumped[j] += 1.0
+        changed = (grouped_dynamic_conv(bumped, delta, base, B, gs) - y).abs().sum(-1) > 0
+        expected = {j} | ({j + 1} if (j + 1) % B else set())  # the next slot, unless it opens a new block
+        assert set(torch.nonzero(changed).squeeze(-1).tolist()) == expected, j
+
+
+def test_selector_label_inserted_in_place_of_weakest_candidate():
+    from speculators.models.dflash2.metrics import selector_training_candidates as reference
+
+    candidates = torch.tensor([[5, 3, 9], [1, 2, 4], [8, 6, 0]])
+    target = torch.tensor([3, 7, 0])  # present at rank 1; missing; present at the weakest rank
+    training, label, contains = selector_training_candidates(candidates, target)
+    assert training.tolist() == [[5, 3, 9], [1, 2, 7], [8, 6, 0]]
+    assert label.tolist() == [1, 2, 2] and contains.tolist() == [True, False, True]
+    for ours, theirs in zip((training, label, contains), reference(candidates, target)):
+        assert torch.equal(ours, theirs)
+
+
+def test_propose_is_the_selectors_greedy_walk(tiny_llama_dir):
+    """Each draft is the best of the slot's top-16 given the draft before it (the anchor for the first):
+    teacher-forcing the drafts back in, the selector picks the drafts again."""
+    torch.manual_seed(0)
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    drafter = DFlash2Drafter(small_cfg(), info, mask_token_id=3).eval()
+    randomize_convs(drafter)
+    drafter.candidate_selector.predecessor_codebook.data.normal_(0, 3.0)  # edges strong enough to matter
+    drafter.candidate_selector.successor_codebook.data.normal_(0, 3.0)
+    batch = make_batch(info, drafter.feature_spec().layer_ids)
+    anchor = torch.tensor([9])
+    drafts = drafter.propose(batch, head, anchor)
+    K = drafter.num_speculative_tokens
+    assert drafts.shape == (1, K)
+    hidden = drafter.block_hidden(batch, head, anchor)[0, 1:]
+    _, candidates = chunked_topk(hidden, head.lm_head.weight, 16)
+    assert not torch.equal(drafts[0], candidates[:, 0]), "the selector should overrule the unary argmax here"
+    prev = torch.cat([batch.input_ids_T[anchor], drafts[0, :-1]])
+    with torch.no_grad():
+        scores = drafter.selector_scores(hidden, prev, candidates, head)
+    assert torch.equal(candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0], drafts[0])
+
+
+def test_training_step_learns(tiny_llama_dir):
+    """On a learnable stream (each token fixes the next; states are a function of the token) the loss falls."""
+    torch.manual_seed(0)
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    head.lm_head.weight.data *= 30  # HF's std-0.02 init gives near-flat logits a trained target never has
+    drafter = DFlash2Drafter(small_cfg(), info, mask_token_id=3)
+    batch = make_batch(info, drafter.feature_spec().layer_ids)
+    ids = [5]
+    for _ in range(batch.num_tokens - 1):
+        ids.append((ids[-1] * 7 + 3) % info.vocab_size)
+    batch.input_ids_T = torch.tensor(ids)
+    table = torch.randn(info.vocab_size, info.hidden_size, generator=torch.Generator().manual_seed(3))
+    batch.hidden_TLD = table[batch.input_ids_T][:, None].expand_as(batch.hidden_TLD).contiguous()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(40):
+        out = drafter.training_step(batch, head, g)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss))
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert out.correct_K.sum() > 0.5 * out.total_K.sum()
+    assert out.extra["candidate_recall"] > 0.9
+
+
+def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
+    """Our export, loaded by speculators' own DFlash2DraftModel: same logits through non-identity convolutions,
+    same selector scores (fp32, 1e-4), and the same loss from their forward (eager KL)."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.dflash.utils import select_anchors
+    from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
+    from speculators.models.dflash2.metrics import selector_training_candidates as ref_candidates
+
+    torch.manual_seed(0)
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    drafter = DFlash2Drafter(small_cfg(), info, mask_token_id=3)
+    for p in drafter.parameters():  # norms away from 1 so a convention mix-up would show
+        if p.ndim == 1:
+            p.data.uniform_(0.5, 1.5)
+    randomize_convs(drafter)
+    drafter.export(tmp_path, info)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash2" and config["sample_from_anchor"] is False
+    assert (config["conv_kernel_size"], config["selector_top_k"]) == (2, 16)
+
+    ref_config = DFlash2SpeculatorConfig.from_pretrained(str(tmp_path))
+    ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
+    ref = DFlash2DraftModel.from_pretrained(str(tmp_path), config=ref_config).float().eval()
+    ref.load_verifier_weights()
+    torch.testing.assert_close(ref.layers[1].mlp_conv.base_kernel, drafter.layers[1].mlp_conv.base_kernel)
+    # Prompts longer than a block: speculators' loss mask has no document check (see test_dspark).
+    batch = make_batch(info, drafter.feature_spec().layer_ids, lengths=(26, 22), prompt=(9, 9))
+    B = drafter.block_size
+    n_valid = int(batch.loss_mask_T[:-B].sum())  # all anchors: their selection is then deterministic
+    anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, B)
+    inputs = (batch.layers(drafter.target_layer_ids).flatten(1)[None], batch.input_ids_T[None],
+              batch.loss_mask_T[None].long(), batch.layers([info.num_hidden_layers])[:, 0][None],
+              batch.document_ids_T[None], batch.position_ids_T[None])
+    with torch.no_grad():
+        hidden, logits, targets, _, block_idx = ref._backbone_forward(*inputs, max_anchors=n_valid)
+        ours_hidden = drafter.block_hidden(batch, head, anchors).reshape(1, -1, info.hidden_size)
+        assert (head.lm_head(ours_hidden) - logits).abs().max() <= 1e-4
+        prev = ref._predecessor_ids(batch.input_ids_T[None], block_idx).reshape(1, -1)
+        candidates, _, _ = ref_candidates(logits.topk(16, -1).indices, targets.argmax(-1))
+        ref_scores = ref.candidate_selector.score_candidates(logits, hidden, prev, candidates)
+        ours = drafter.selector_scores(ours_hidden[0], prev[0], candidates[0], head)
+        assert (ours - ref_scores[0]).abs().max() <= 1e-4
+        eager_tv = resolve_loss_config("tv", "eager")["tv"][0]  # their fused default needs Triton
+        _, ref_loss, _ = ref(*inputs, loss_config=resolve_loss_config("kl_div", "eager"), tv_loss_fn=eager_tv,
+                             max_anchors=n_valid)
+        out = drafter.block_loss(batch, head, anchors)
+    assert abs(float(out.loss) - float(ref_loss)) <= 1e-4
+
+
+def serve_export_losslessly(tmp_path, tiny_target, method: str, drafter_cls, cfg) -> None:
+    """Export a (random) drafter against tiny-llama and serve it with vLLM on Model Runner V2: greedy outputs
+    must equal the target's own, with drafts made (shared by test_dspark)."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from bench.vllm_serve import compare
+
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # V1 rejects both DSpark and DFlash 2
+    target_dir = tiny_target("tiny-llama")
+    info = TargetInfo.load(target_dir)
+    drafter = drafter_cls.build(cfg, info, AutoTokenizer.from_pretrained(target_dir))
+    drafter.export(tmp_path / "export", info)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, info.vocab_size, (40,), generator=g).tolist() for _ in range(4)]
+    result = compare(str(target_dir), prompts, 24, str(tmp_path / "export"), method, ignore_eos=True,
+                     dtype="float32", gpu_memory_utilization=0.3)
+    assert result.spec.num_speculative_tokens == drafter.num_speculative_tokens
+    assert result.spec.counters.num_drafts > 0
+    assert result.identical_outputs == result.num_prompts
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="vLLM 0.32 serves DFlash 2 only on Model Runner V2 (GPU, Triton); on CPU Model Runner V1 "
+                           "rejects it ('Model Runner V1 does not support: DFlash candidate-head drafts'), so CPU "
+                           "parity is checked against speculators' DFlash2DraftModel above")
+def test_vllm_serves_export_losslessly(tmp_path, tiny_target):
+    """A DFlash 2 export served by vLLM (method dflash, architecture DFlash2DraftModel): lossless greedy."""
+    serve_export_losslessly(tmp_path, tiny_target, "dflash", DFlash2Drafter, small_cfg())

@@ -1,0 +1,181 @@
+"""FeatureServer with real spawned HF workers on a tiny random Llama: delivery, sharding, errors, cleanup."""
+
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from feature_server.contract import FeatureSpec, TokenizedRow
+from feature_server.hf_backend import HFBackend
+from feature_server.server import FeatureServer, FeatureWorkerError, ShardLedger, shard_rows
+from feature_server.shm_transport import Received, segment_paths
+
+VOCAB, HIDDEN, LAYERS = 128, 32, 2
+SPEC = FeatureSpec(layer_ids=(0, 1, LAYERS), hidden_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=128,
+                         dtype="float32")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def _rows(n: int, first_id: int = 1000) -> list[TokenizedRow]:
+    g = torch.Generator().manual_seed(n)
+    rows = []
+    for i in range(n):
+        T = 3 + i % 5
+        ids = tuple(torch.randint(0, VOCAB, (T,), generator=g).tolist())
+        rows.append(TokenizedRow(first_id + 7 * i, ids, (0,) * (T - 2) + (1, 1)))  # sparse, non-contiguous ids
+    return rows
+
+
+def _prefix(request) -> str:
+    return "sdtest_" + "".join(c if c.isalnum() else "_" for c in request.node.name)[-40:]
+
+
+def test_two_workers_deliver_every_row_exactly_once(target, request):
+    rows = _rows(10)
+    expected = {r.row_id: h for r, h in zip(rows, HFBackend(target, SPEC).extract(rows))}
+    prefix = _prefix(request)
+    with FeatureServer(target, SPEC, rows, workers=2, shm_prefix=prefix) as server:
+        got = {}
+        for sample in server:
+            assert sample.row_id not in got, f"row {sample.row_id} delivered twice"
+            got[sample.row_id] = sample
+        stats = server.stats()
+    assert set(got) == set(expected)
+    for row in rows:  # same values as an in-process backend: nothing lost or reordered in the transport
+        torch.testing.assert_close(got[row.row_id].hidden_TLD, expected[row.row_id], rtol=1e-5, atol=1e-5)
+        assert got[row.row_id].input_ids_T.tolist() == list(row.input_ids)
+    assert stats["samples"] == 10 and stats["tokens"] == sum(r.num_tokens for r in rows)
+    assert stats["bytes"] > sum(h.numel() * 4 for h in expected.values())
+    assert stats["workers_done"] == 2 and {w: s["samples"] for w, s in stats["per_worker"].items()} == {0: 5, 1: 5}
+    assert 0 < stats["extract_wall_s_max"] <= stats["extract_wall_s_sum"]
+    assert segment_paths(prefix) == []
+
+
+def test_shards_over_ranks_and_workers_are_disjoint_and_complete(target):
+    rows = _rows(23)
+    skip = frozenset(r.row_id for r in rows[::5])
+    owned = []
+    for rank in range(3):
+        server = FeatureServer(target, SPEC, rows, workers=2, rank=rank, num_ranks=3, skip_row_ids=skip)
+        for w, args in server._args.items():
+            assert args.shard == rank * 2 + w and args.num_shards == 6
+            owned.append([r.row_id for r in args.rows])
+    flat = [i for ids in owned for i in ids]
+    assert len(flat) == len(set(flat)) and set(flat) == {r.row_id for r in rows} - skip
+    # A resumed run (more rows skipped) keeps every remaining row on the same shard.
+    resumed = FeatureServer(target, SPEC, rows, workers=2, rank=1, num_ranks=3, skip_row_ids=skip | {rows[3].row_id})
+    for w in range(2):  # rows[3] sits in shard 3 = rank 1, worker 1
+        assert [r.row_id for r in resumed._args[w].rows] == [i for i in owned[2 + w] if i != rows[3].row_id]
+    assert len(resumed._args[1].rows) == len(owned[3]) - 1
+
+
+@pytest.mark.slow  # two spawned workers importing torch + transformers: ~15 s on 2 cores
+def test_rank_sharding_is_disjoint_and_complete_and_skips_rows(target, request):
+    rows = _rows(13)
+    skip = frozenset(r.row_id for r in rows[::4])
+    prefix = _prefix(request)
+    # Both ranks' servers run at once, as under torchrun.
+    servers = [FeatureServer(target, SPEC, rows, rank=r, num_ranks=2, skip_row_ids=skip, shm_prefix=f"{prefix}{r}")
+               for r in range(2)]
+    seen = []
+    for server in servers:
+        server.start()
+    for server in servers:
+        with server:
+            seen.append({s.row_id for s in server})
+            assert len(seen[-1]) == server.num_rows
+    assert not seen[0] & seen[1]
+    assert seen[0] | seen[1] == {r.row_id for r in rows} - skip
+    # Skipping does not move rows between ranks: a resumed run keeps the same assignment.
+    assert seen[0] == {r.row_id for r in shard_rows(rows, 0, 2)} - skip
+    assert all(segment_paths(f"{prefix}{r}") == [] for r in range(2))
+
+
+def test_worker_exception_names_worker_and_row_and_cleans_up(target, request):
+    rows = _rows(6)
+    bad = TokenizedRow(rows[2].row_id, rows[2].input_ids[:-1] + (VOCAB + 3,), rows[2].loss_mask)
+    rows[2] = bad
+    prefix = _prefix(request)
+    server = FeatureServer(target, SPEC, rows, workers=1, shm_prefix=prefix)
+    with pytest.raises(FeatureWorkerError, match=rf"worker 0 .*failed on row {bad.row_id}:.*outside the target "
+                                                 rf"vocabulary") as err:
+        for _ in server:
+            pass
+    assert "--- worker traceback ---" in str(err.value) and "check_row" in str(err.value)
+    assert all(not p.is_alive() for p in server._procs.values())
+    assert segment_paths(prefix) == []
+
+
+def test_killed_worker_raises_instead_of_hanging(target, request):
+    rows = _rows(30)
+    prefix = _prefix(request)
+    # 1-byte capacity: one sample in flight at a time, so the worker cannot finish while we hold off.
+    server = FeatureServer(target, SPEC, rows, workers=1, capacity_mb=1e-6, shm_prefix=prefix)
+    it = iter(server)
+    first = next(it)
+    os.kill(server.worker_pids()[0], signal.SIGKILL)
+    with pytest.raises(FeatureWorkerError, match=r"worker 0 .*exited with code -9 without reporting.*row \d+"):
+        for sample in it:
+            assert sample.row_id != first.row_id
+    assert segment_paths(prefix) == []
+
+
+def _ledger():
+    rows = _rows(4)
+    return rows, ShardLedger(SPEC, {0: rows[:2], 1: rows[2:]})
+
+
+def _received(row: TokenizedRow, worker: int, hidden_TLD=None) -> Received:
+    if hidden_TLD is None:
+        hidden_TLD = torch.zeros(row.num_tokens, len(SPEC.layer_ids), HIDDEN)
+    tensors = {"input_ids_T": torch.tensor(row.input_ids), "loss_mask_T": torch.tensor(row.loss_mask).bool(),
+               "hidden_TLD": hidden_TLD}
+    return Received("data", worker, row.row_id, {}, tensors)
+
+
+def test_ledger_rejects_samples_that_break_the_contract():
+    rows, ledger = _ledger()
+    with pytest.raises(FeatureWorkerError, match="before the worker was ready"):
+        ledger.accept(_received(rows[0], 0))
+    ledger.ready(0, {"num_hidden_layers": LAYERS, "hidden_size": HIDDEN})
+    with pytest.raises(FeatureWorkerError, match=rf"row {rows[2].row_id} belongs to worker 1's shard"):
+        ledger.accept(_received(rows[2], 0))
+    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden states shape"):
+        ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 1, HIDDEN)))
+    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden dtype"):
+        ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 3, HIDDEN, dtype=torch.bfloat16)))
+    int_mask = _received(rows[0], 0)
+    int_mask.tensors["loss_mask_T"] = int_mask.tensors["loss_mask_T"].long()
+    with pytest.raises(FeatureWorkerError, match="loss mask is torch.int64"):
+        ledger.accept(int_mask)
+    ledger.accept(_received(rows[0], 0))
+    with pytest.raises(FeatureWorkerError, match=rf"row {rows[0].row_id} was already received"):
+        ledger.accept(_received(rows[0], 0))
+    with pytest.raises(FeatureWorkerError, match=rf"reported done, but rows \[{rows[1].row_id}\]"):
+        ledger.done(0)
+    tampered = TokenizedRow(rows[1].row_id, (rows[1].input_ids[0] + 1,) + rows[1].input_ids[1:], rows[1].loss_mask)
+    with pytest.raises(FeatureWorkerError, match="tokens or loss mask differ"):
+        ledger.accept(_received(tampered, 0))
+
+
+def test_argument_errors(target):
+    rows = _rows(3)
+    with pytest.raises(ValueError, match="rank"):
+        FeatureServer(target, SPEC, rows, rank=2, num_ranks=2)
+    with pytest.raises(ValueError, match="valid names: \\['hf'"):
+        FeatureServer(target, SPEC, rows, backend="nope")
+    with pytest.raises(ValueError, match=f"row id {rows[0].row_id} appears twice"):
+        FeatureServer(target, SPEC, rows + rows[:1])
+    with pytest.raises(ValueError, match="2 devices given for 1 workers"):
+        FeatureServer(target, SPEC, rows, device=["cpu", "cpu"])

@@ -1,0 +1,153 @@
+"""VLLMBackend (real vLLM, extract_hidden_states + SyncHiddenStatesConnector) against a transformers reference.
+
+Reference convention (feature_server/contract.py): id 0 = output of embed_tokens, id k = transformers'
+hidden_states[k] (after k decoder layers), id L = the input of the final norm (transformers' last hidden_states
+entry is post-norm). One engine per target per module: the llama engine serves every llama test; the Qwen3-Next
+engine extracts once and is shut down inside its fixture.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from feature_server.contract import FeatureSpec, TokenizedRow
+from feature_server.vllm_backend import VLLMBackend
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MAX_MODEL_LEN = 256
+ALL_LAYERS = (0, 1, 2, 3, 4)  # every id of a 4-layer target
+QWEN_LAYERS = (1, 3, 4)  # a subset with a gap: after linear-attention layers 1 and 3, after the full-attention one
+
+
+def make_rows(vocab_size: int, lengths=(9, 16, 23)) -> list[TokenizedRow]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i, T in enumerate(lengths):
+        ids = torch.randint(0, vocab_size, (T,), generator=g).tolist()
+        rows.append(TokenizedRow(row_id=100 + i, input_ids=tuple(ids), loss_mask=(0,) * (T // 2) + (1,) * (T - T // 2)))
+    return rows
+
+
+def reference_states(target_dir, row: TokenizedRow, layer_ids) -> torch.Tensor:
+    """[T, len(layer_ids), D] from transformers in fp32, by hooks (see the module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    captured = {}
+    hooks = [model.model.embed_tokens.register_forward_hook(lambda m, a, out: captured.__setitem__("emb", out)),
+             model.model.norm.register_forward_pre_hook(lambda m, a: captured.__setitem__("pre_norm", a[0]))]
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([row.input_ids]), output_hidden_states=True)
+    for h in hooks:
+        h.remove()
+    L = model.config.num_hidden_layers
+    picked = [captured["emb"] if k == 0 else captured["pre_norm"] if k == L else out.hidden_states[k]
+              for k in layer_ids]
+    return torch.stack([p[0] for p in picked], dim=1)
+
+
+def assert_matches_reference(got_TLD, all_ref_TLD, layer_ids, rel_tol: float, abs_tol: float = 0.0) -> None:
+    """got (spec layers) vs the reference at every id 0..L: within tolerance of its own layer, and clearly off
+    from the neighbouring ids, so a layer-id shift (which vLLM serves without error) would fail here.
+
+    tolerance for id k = abs_tol + rel_tol * max |reference at k|.
+    """
+    L1 = all_ref_TLD.shape[1]
+    for j, k in enumerate(layer_ids):
+        tol = abs_tol + rel_tol * all_ref_TLD[:, k].abs().max().item()
+        err = (got_TLD[:, j].float() - all_ref_TLD[:, k]).abs().max().item()
+        assert err <= tol, f"layer id {k}: max abs error {err:.3g} > tolerance {tol:.3g}"
+        for n in (k - 1, k + 1):
+            if 0 <= n < L1:
+                off = (got_TLD[:, j].float() - all_ref_TLD[:, n]).abs().max().item()
+                assert off > 4 * tol, f"layer id {k} is as close to id {n} ({off:.3g}) as tolerance {tol:.3g}"
+
+
+def build_random_target(name: str, tmp_path_factory) -> str:
+    """launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
+    from launch.targets import make_target
+
+    return str(make_target(name, tmp_path_factory.mktemp(name), fit_steps=0))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return build_random_target("tiny-llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def llama_backend(tiny_llama):
+    backend = VLLMBackend(tiny_llama, FeatureSpec(ALL_LAYERS, hidden_dtype="float32"), device="cpu",
+                          dtype="float32", max_model_len=MAX_MODEL_LEN)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_case(tmp_path_factory):
+    """(target_dir, rows, states): bf16 engine started, used once, shut down before the tests run.
+
+    The target routes every token to all 4 experts (num_experts_per_tok 2 -> 4; same weights). With top-2 routing
+    a router near-tie (seen: 2nd/3rd expert logits 9e-4 apart on a fitted tiny target) flips under bf16 and
+    puts a 10% error on that token - MoE numerics, not extraction. All-expert routing keeps the layers continuous.
+    """
+    target = build_random_target("tiny-qwen3-next", tmp_path_factory)
+    config_path = os.path.join(target, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["num_experts_per_tok"] = config["num_experts"]
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    backend = VLLMBackend(target, FeatureSpec(QWEN_LAYERS, hidden_dtype="bfloat16"), device="cpu", dtype=None,
+                          max_model_len=MAX_MODEL_LEN)
+    try:
+        rows = make_rows(backend.vocab_size)
+        states = backend.extract(rows)
+    finally:
+        backend.close()
+    return target, rows, states
+
+
+def test_llama_states_match_transformers(llama_backend, tiny_llama):
+    rows = make_rows(llama_backend.vocab_size)
+    states = llama_backend.extract(rows)
+    assert [s.shape for s in states] == [(r.num_tokens, len(ALL_LAYERS), 128) for r in rows]
+    assert all(s.dtype == torch.float32 for s in states)
+    for row, got in zip(rows, states):
+        ref = reference_states(tiny_llama, row, ALL_LAYERS)
+        # fp32 engine vs fp32 transformers: only summation order differs (seen <= 2e-7 at |h| ~ 0.3), so
+        # 1e-5 + 1e-5 * max|h| has ~50x headroom while neighbouring layers differ by ~0.1.
+        assert_matches_reference(got, ref, ALL_LAYERS, rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_properties_and_row_checks(llama_backend):
+    assert (llama_backend.num_hidden_layers, llama_backend.hidden_size) == (4, 128)
+    assert llama_backend.extract([]) == []
+    too_long = TokenizedRow(row_id=7, input_ids=(1,) * (MAX_MODEL_LEN + 1), loss_mask=(0,) * (MAX_MODEL_LEN + 1))
+    with pytest.raises(ValueError, match="row 7.*max_model_len"):
+        llama_backend.extract([too_long])
+    bad_token = TokenizedRow(row_id=8, input_ids=(1, 10**6), loss_mask=(0, 1))
+    with pytest.raises(ValueError, match="row 8"):
+        llama_backend.extract([bad_token])
+
+
+def test_qwen3_next_states_match_transformers(qwen3_next_case):
+    target, rows, states = qwen3_next_case
+    assert [s.shape for s in states] == [(r.num_tokens, len(QWEN_LAYERS), 128) for r in rows]
+    assert all(s.dtype == torch.bfloat16 for s in states)
+    for row, got in zip(rows, states):
+        ref = reference_states(target, row, ALL_LAYERS)
+        # bf16 engine vs fp32 transformers. bf16 keeps 8 significant bits (relative spacing 2^-7), and every
+        # layer's output is rounded to it before the next layer: with 4 layers a few ulps accumulate, plus one
+        # final rounding to spec.hidden_dtype. Tolerance: 2^-6 (two ulps) of each layer's largest magnitude.
+        # Seen: <= 8.5e-4 at max |h| ~ 0.14 (tol 2.2e-3); neighbouring layers differ by >= 0.013.
+        assert_matches_reference(got, ref, QWEN_LAYERS, rel_tol=2**-6)
+
+
+@pytest.mark.parametrize("layer_ids", [(1, 5), (-1, 2)])
+def test_out_of_range_layer_ids_raise_before_engine_start(tiny_llama, layer_ids):
+    with pytest.raises(ValueError, match=r"out of range.*valid ids are 0\.\.4"):
+        VLLMBackend(tiny_llama, FeatureSpec(layer_ids), device="cpu")

@@ -1,0 +1,37 @@
+"""Configs are strict: a mistyped key fails at compose time, in files and on the command line."""
+
+import pytest
+from hydra import compose, initialize
+from omegaconf import OmegaConf
+
+from launch.config import register_configs
+
+register_configs()
+
+
+def compose_run(overrides):
+    with initialize(config_path="../conf", version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_default_composes_to_typed_groups():
+    cfg = compose_run([])
+    assert cfg.drafter.name == "dflash" and cfg.target.name == "tiny-qwen3-next"
+    drafter = OmegaConf.to_object(cfg.drafter)
+    assert type(drafter).__name__ == "DFlashConfig"
+
+
+@pytest.mark.parametrize("override", ["trainer.stpes=3", "drafter.blok_size=4", "feature_server.wrokers=2"])
+def test_unknown_key_fails(override):
+    with pytest.raises(Exception, match="not in struct|Could not override|Key .* not in"):
+        compose_run([override])
+
+
+def test_wrong_type_fails():
+    with pytest.raises(Exception, match="max_steps"):
+        compose_run(["trainer.max_steps=many"])
+
+
+def test_target_path_overrides_name():
+    cfg = compose_run(["target.path=/models/x"])
+    assert cfg.target.path == "/models/x"

@@ -1,0 +1,26 @@
+"""Trainer settings: the single place their defaults are stated (conf/trainer/*.yaml only overrides)."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200  # bounds a run; epochs repeat the data until then
+    max_epochs: int = 100
+    token_budget: int = 4096  # tokens per packed sequence (32768 per GPU in production)
+    lr: float = 3e-3  # AdamW (norms, biases, vectors)
+    muon_lr: float = 0.02  # torch.optim.Muon for 2-D weight matrices
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    final_lr_fraction: float = 0.1  # linear decay to lr * this at max_steps
+    grad_clip: float = 1.0
+    precision: str = "auto"  # auto | fp32 | bf16 (bf16 autocast over fp32 master weights)
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_rows: int = 64  # held-out rows for tau_offline (0 = all)
+    compile: bool = False  # torch.compile the drafter (GPU)
+    progress: bool = True
+    wandb_project: str | None = None  # log to wandb when set (needs the `wandb` extra)

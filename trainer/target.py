@@ -1,0 +1,144 @@
+"""The target as the trainer sees it: its config facts, and its frozen output head.
+
+The trainer never loads the whole target. It reads only the embeddings, the final norm and the
+lm_head from the checkpoint, and computes the target distribution itself from the last hidden state
+(REFERENCE.md: vLLM returns pre-final-norm states, so the final norm is applied here).
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# model_type -> whether its RMSNorm computes x_normed * (1 + w) (zero-centred weights).
+SUPPORTED_MODEL_TYPES = {
+    "llama": False,
+    "qwen3": False,
+    "qwen3_moe": False,
+    "qwen3_next": True,
+    "qwen3_5_moe": True,
+    "qwen3_5_moe_text": True,
+    "qwen3_5": True,
+    "qwen3_5_text": True,
+}
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    path: Path
+    model_type: str
+    architectures: tuple[str, ...]
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    zero_centred_norm: bool
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int | None  # dense MLP width; None for pure-MoE targets
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TargetInfo":
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file}: no config.json; target.path must be a local HF checkpoint dir")
+        raw = json.loads(config_file.read_text())
+        text = raw.get("text_config") or raw  # multimodal wrappers keep the LM config here
+        model_type = text.get("model_type") or raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{config_file}: architecture model_type={model_type!r} is not supported; "
+                f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        return cls(
+            path=path,
+            model_type=model_type,
+            architectures=tuple(raw.get("architectures") or ()),
+            num_hidden_layers=text["num_hidden_layers"],
+            hidden_size=text["hidden_size"],
+            vocab_size=text["vocab_size"],
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            zero_centred_norm=SUPPORTED_MODEL_TYPES[model_type],
+            rope_theta=float(text.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            max_position_embeddings=text.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or "float32"),
+            num_attention_heads=text["num_attention_heads"],
+            num_key_value_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            intermediate_size=text.get("intermediate_size"),
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in either weight convention: x*w (llama/qwen3) or x*(1+w) (qwen3_next/qwen3_5)."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.zero_centred = zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centred:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def _open_tensor(path: Path, candidates: tuple[str, ...]) -> torch.Tensor:
+    """Read one tensor by the first matching name, from model.safetensors or a sharded index."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: path / weight_map[name] for name in candidates if name in weight_map}
+    else:
+        files = {name: path / "model.safetensors" for name in candidates}
+    for name, file in files.items():
+        if not file.is_file():
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise KeyError(f"{path}: none of {list(candidates)} found in the checkpoint's safetensors")
+
+
+def _names(suffix: str) -> tuple[str, ...]:
+    return (f"model.{suffix}", f"model.language_model.{suffix}", suffix)
+
+
+class TargetHead(nn.Module):
+    """Frozen embeddings, final norm and lm_head of the target."""
+
+    def __init__(self, info: TargetInfo):
+        super().__init__()
+        self.info = info
+        embed = _open_tensor(info.path, _names("embed_tokens.weight")).float()
+        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, info.zero_centred_norm)
+        self.norm.weight.data.copy_(_open_tensor(info.path, _names("norm.weight")).float())
+        lm_head = embed if info.tie_word_embeddings else _open_tensor(info.path, ("lm_head.weight",)).float()
+        self.lm_head = nn.Linear(info.hidden_size, lm_head.shape[0], bias=False)
+        self.lm_head.weight.data.copy_(lm_head)
+        self.requires_grad_(False)
+
+    def logits(self, last_hidden_ND: torch.Tensor) -> torch.Tensor:
+        """Target logits from pre-final-norm last-layer states (only the positions passed in)."""
+        return self.lm_head(self.norm(last_hidden_ND.to(self.lm_head.weight.dtype)))
+
+    @torch.no_grad()
+    def argmax(self, last_hidden_ND: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """Greedy target tokens, in chunks so no [N, vocab] tensor is built for a whole pack."""
+        out = [self.logits(part).argmax(-1) for part in last_hidden_ND.split(chunk)]
+        return torch.cat(out) if out else last_hidden_ND.new_zeros(0, dtype=torch.long)

@@ -1,0 +1,206 @@
+"""The training loop: features stream in from the target workers, packs go through the drafter.
+
+Read `train()` top to bottom: resume -> epochs of (feature server -> packs -> steps) -> export ->
+offline evaluation -> metrics.json. `_step()` is the whole training step.
+"""
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from drafters import build_drafter
+from feature_server.config import FeatureServerConfig
+from feature_server.dataset import check_tokenizer_matches, load_rows
+from feature_server.server import FeatureServer
+from trainer import distributed
+from trainer.batch import PackedBatch, pack_stream
+from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import TrainerConfig
+from trainer.evaluate import evaluate
+from trainer.metrics import StepMetrics
+from trainer.optim import Optimizers
+from trainer.target import TargetHead, TargetInfo
+from trainer.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, drafter_cfg, trainer_cfg: TrainerConfig, server_cfg: FeatureServerConfig, run_dir: Path,
+                 target_dir: Path, train_path: Path, heldout_path: Path | None, resolved_config: dict | None = None):
+        self.cfg, self.server_cfg, self.run_dir = trainer_cfg, server_cfg, run_dir
+        self.dist = distributed.init_distributed(trainer_cfg.device)
+        torch.manual_seed(trainer_cfg.seed)
+        self.target = TargetInfo.load(target_dir)
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+        check_tokenizer_matches(tokenizer, {"vocab_size": self.target.vocab_size})
+        max_tokens = min(self.target.max_position_embeddings, trainer_cfg.token_budget)
+        self.rows, self.train_skips = load_rows(train_path, tokenizer, max_tokens)
+        if not self.rows:
+            raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
+        self.heldout_rows, self.heldout_skips = (load_rows(heldout_path, tokenizer, max_tokens) if heldout_path else ([], None))
+        self.drafter = build_drafter(drafter_cfg, self.target, tokenizer)
+        self.drafter.prepare(self.rows)
+        self.drafter.to(self.dist.device)
+        self.head = TargetHead(self.target).to(self.dist.device)
+        self.spec = replace(self.drafter.feature_spec(), hidden_dtype=server_cfg.hidden_dtype)
+        self.spec.check_against(self.target.num_hidden_layers)
+        self.model = DistributedDataParallel(self.drafter) if self.dist.enabled else self.drafter
+        if trainer_cfg.compile:
+            self.model = torch.compile(self.model)
+        self.optimizers = Optimizers(self.drafter, trainer_cfg)
+        self.generator = torch.Generator().manual_seed(trainer_cfg.seed + self.dist.rank)
+        self.autocast_dtype = _autocast_dtype(trainer_cfg.precision, self.dist.device)
+        self.meta = {"drafter": drafter_cfg.name, "target_layer_ids": list(self.spec.layer_ids),
+                     "model_type": self.target.model_type}
+        self.window = StepMetrics(self.drafter.num_speculative_tokens)
+        self.totals = StepMetrics(self.drafter.num_speculative_tokens)
+        # Stable per run and rank, so a crashed run's leftover segments are swept when it resumes.
+        run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+        self.shm_prefix = f"specdistill_{run_key}_r{self.dist.rank}"
+        self.tracker = Tracker(trainer_cfg.wandb_project, run_dir, resolved_config or {}, enabled=self.dist.is_main)
+
+    # --- the loop --------------------------------------------------------------------------------
+    def train(self) -> dict:
+        state = self._resume()
+        bar = tqdm(total=self.cfg.max_steps, initial=state.step, disable=not (self.cfg.progress and self.dist.is_main),
+                   desc=f"train {self.meta['drafter']}", unit="step")
+        while state.step < self.cfg.max_steps and state.epoch < self.cfg.max_epochs:
+            finished_epoch = self._run_epoch(state, bar)
+            if finished_epoch:
+                state.epoch += 1
+                state.consumed_row_ids.clear()
+        bar.close()
+        self._save(state)
+        return self._finish(state)
+
+    def _run_epoch(self, state: TrainState, bar) -> bool:
+        with self._server(self.rows, skip=state.consumed_row_ids) as server:
+            waited = time.perf_counter()
+            for batch in pack_stream(server, self.cfg.token_budget, self.spec.layer_ids):
+                state.feature_wait_seconds += time.perf_counter() - waited
+                self._step(batch, state)
+                bar.update(1)
+                bar.set_postfix(loss=f"{state.last_loss:.3f}", tau=f"{self.window.tau_estimate:.2f}")
+                if state.step % self.cfg.log_every == 0:
+                    self._log(state)
+                if state.step % self.cfg.checkpoint_every == 0:
+                    self._save(state)
+                if state.step >= self.cfg.max_steps:
+                    state.feature_seconds += server.stats()["extract_wall_s_sum"]
+                    return False
+                waited = time.perf_counter()
+            state.feature_seconds += server.stats()["extract_wall_s_sum"]
+        return True
+
+    def _step(self, batch: PackedBatch, state: TrainState) -> None:
+        started = time.perf_counter()
+        batch = batch.to(self.dist.device, torch.float32)
+        self.optimizers.set_step(state.step)
+        with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            out = self.model(batch, self.head, self.generator)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.optimizers.step()
+        self.optimizers.zero_grad()
+        state.step += 1
+        state.train_tokens += batch.num_tokens
+        state.train_response_tokens += int(batch.loss_mask_T.sum())
+        state.consumed_row_ids.update(batch.row_ids)
+        state.last_loss = float(out.loss.detach())
+        self.window.add(out)
+        self.totals.add(out)
+        state.train_seconds += time.perf_counter() - started
+
+    # --- pieces ----------------------------------------------------------------------------------
+    def _server(self, rows, skip=frozenset(), sharded: bool = True) -> FeatureServer:
+        """Workers over this rank's shard of `rows` (sharded=False: all of them, for rank-0 evaluation)."""
+        c = self.server_cfg
+        rank, num_ranks = (self.dist.rank, self.dist.world_size) if sharded else (0, 1)
+        return FeatureServer(self.target.path, self.spec, rows, backend=c.backend, workers=c.workers,
+                             rank=rank, num_ranks=num_ranks, capacity_mb=c.capacity_mb,
+                             device=c.device, dtype=c.dtype, skip_row_ids=frozenset(skip),
+                             threads_per_worker=c.threads_per_worker, shm_prefix=self.shm_prefix)
+
+    def _resume(self) -> TrainState:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return TrainState()
+        return load_checkpoint(path, self.drafter, self.optimizers, self.generator, self.meta)
+
+    def _save(self, state: TrainState) -> None:
+        if self.dist.is_main:
+            save_checkpoint(self.run_dir, state, self.drafter, self.optimizers, self.generator, self.meta,
+                            self.cfg.keep_checkpoints)
+        distributed.barrier(self.dist)
+
+    def _log(self, state: TrainState) -> None:
+        window = self.window.reduced(self.dist)
+        record = {"step": state.step, "loss": state.last_loss, **window.summary()}
+        self.tracker.log(record)
+        if self.dist.is_main:
+            log.info("step %d loss %.4f acc@1 %.3f tau_est %.3f", state.step, state.last_loss,
+                     record["accuracy_per_position"][0], record["tau_estimate"])
+        self.window = StepMetrics(self.drafter.num_speculative_tokens)
+
+    def _finish(self, state: TrainState) -> dict:
+        metrics = {}
+        if self.dist.is_main:
+            export_dir = self.run_dir / "export"
+            self.drafter.export(export_dir, self.target)
+            eval_started = time.perf_counter()
+            counts = self._evaluate()
+            metrics = {
+                "drafter": self.meta["drafter"],
+                "target": str(self.target.path),
+                "target_model_type": self.target.model_type,
+                "steps": state.step,
+                "epochs_completed": state.epoch,
+                "train_tokens": state.train_tokens,
+                "train_response_tokens": state.train_response_tokens,
+                "final_loss": state.last_loss,
+                "train_accuracy_per_position": self.totals.summary()["accuracy_per_position"],
+                "tau_offline": counts.tau if counts else None,
+                "per_position_acceptance": counts.per_position if counts else None,
+                "conditional_acceptance": counts.conditional if counts else None,
+                "heldout_drafts": counts.num_drafts if counts else 0,
+                "num_speculative_tokens": self.drafter.num_speculative_tokens,
+                "feature_extraction_seconds": state.feature_seconds,
+                "feature_wait_seconds": state.feature_wait_seconds,
+                "training_seconds": state.train_seconds,
+                "eval_seconds": time.perf_counter() - eval_started,
+                "skipped_rows": {"train": asdict(self.train_skips),
+                                 "heldout": asdict(self.heldout_skips) if self.heldout_skips else None},
+                "export_dir": str(export_dir),
+            }
+            (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+            log.info("train rows skipped: %s", self.train_skips.summary())
+            self.tracker.finish(metrics)
+        distributed.close(self.dist)
+        return metrics
+
+    def _evaluate(self):
+        rows = self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows
+        if not rows:
+            log.warning("no held-out rows: tau_offline is not measured")
+            return None
+        with self._server(rows, sharded=False) as server:  # streamed: counts do not depend on order
+            return evaluate(self.drafter, self.head, server, self.spec.layer_ids, self.dist.device, torch.float32)
+
+
+def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast over fp32 master weights where the device runs it fast (CUDA); fp32 elsewhere."""
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return None
+    if precision in ("bf16", "auto"):
+        return torch.bfloat16
+    raise ValueError(f"trainer.precision={precision!r}; valid: auto, fp32, bf16")
