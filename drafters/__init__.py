@@ -10,11 +10,15 @@ from drafters.base import Drafter
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.dflash2 import DFlash2Config, DFlash2Drafter
 from drafters.dspark import DSparkConfig, DSparkDrafter
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from drafters.mtp import MTPConfig, MTPDrafter
 
 DRAFTERS: dict[str, tuple[type, type[Drafter]]] = {
     "dflash": (DFlashConfig, DFlashDrafter),
+    "eagle3": (Eagle3Config, Eagle3Drafter),
     "dspark": (DSparkConfig, DSparkDrafter),
     "dflash2": (DFlash2Config, DFlash2Drafter),
+    "mtp": (MTPConfig, MTPDrafter),
 }
 
 
