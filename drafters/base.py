@@ -78,3 +78,29 @@ def resolve_token_id(tokenizer, token: str, field_name: str) -> int:
             f"set {field_name} to one of its special tokens, e.g. {tokenizer.all_special_tokens[:12]}"
         )
     return token_id
+
+
+def sample_anchors(candidates_C: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """At most max_anchors of the candidate positions, uniformly without replacement, in ascending order."""
+    if candidates_C.numel() <= max_anchors:
+        return candidates_C
+    pick = torch.randperm(candidates_C.numel(), generator=generator)[:max_anchors]
+    return candidates_C[pick.to(candidates_C.device)].sort().values
+
+
+def export_dtype(target: TargetInfo) -> torch.dtype:
+    """Exports are written in the target's dtype (vLLM serves the drafter in it)."""
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(target.torch_dtype, torch.float32)
+
+
+def speculators_block(algorithm: str, num_speculative_tokens: int, target: TargetInfo) -> dict:
+    """The `speculators_config` entry of a speculators-format config.json: greedy proposal of K tokens."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
+             "accept_tolerance": 0.0, "verifier_accept_k": 1}
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": str(target.path.resolve()), "architectures": list(target.architectures)},
+    }

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from drafters.base import Drafter, StepOutput, resolve_token_id
+from drafters.base import Drafter, StepOutput, export_dtype, resolve_token_id, sample_anchors, speculators_block
 from drafters.layers import QKVProjections, Rotary, SwiGLU, apply_rotary
 from feature_server.contract import FeatureSpec
 from kernels.attention import anchor_block_plan
@@ -206,11 +206,7 @@ class DFlashDrafter(Drafter):
 
     def select_anchors(self, batch: PackedBatch, generator: torch.Generator) -> torch.Tensor:
         """Anchors are response tokens (the first one is what the target emits after the prompt)."""
-        candidates = torch.nonzero(batch.loss_mask_T).squeeze(-1)
-        if candidates.numel() > self.cfg.max_anchors:
-            pick = torch.randperm(candidates.numel(), generator=generator)[: self.cfg.max_anchors]
-            candidates = candidates[pick.to(candidates.device)].sort().values
-        return candidates
+        return sample_anchors(torch.nonzero(batch.loss_mask_T).squeeze(-1), self.cfg.max_anchors, generator)
 
     def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator) -> StepOutput:
         anchors_N = self.select_anchors(batch, generator)
@@ -271,20 +267,12 @@ class DFlashDrafter(Drafter):
             "sample_from_anchor": False,
             "tie_word_embeddings": False,
             "dtype": target.torch_dtype,
-            "speculators_config": {
-                "algorithm": self.speculators_model_type,
-                "proposal_methods": [
-                    {"proposal_type": "greedy", "speculative_tokens": self.num_speculative_tokens,
-                     "accept_tolerance": 0.0, "verifier_accept_k": 1}
-                ],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": str(target.path.resolve()), "architectures": list(target.architectures)},
-            },
+            "speculators_config": speculators_block(self.speculators_model_type, self.num_speculative_tokens, target),
         }
 
     def export(self, out_dir: Path, target: TargetInfo) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(target.torch_dtype, torch.float32)
+        dtype = export_dtype(target)
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         (out_dir / "config.json").write_text(json.dumps(self.speculators_config(target), indent=2) + "\n")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from drafters.base import Drafter, StepOutput
+from drafters.base import Drafter, StepOutput, export_dtype, speculators_block
 from drafters.layers import QKVProjections, Rotary, SwiGLU, apply_rotary
 from feature_server.contract import FeatureSpec, TokenizedRow
 from kernels.attention import packed_causal_plan
@@ -380,22 +380,14 @@ class Eagle3Drafter(Drafter):
             "embed_requires_grad": False,
             "tie_word_embeddings": False,
             "dtype": target.torch_dtype,
-            "speculators_config": {
-                "algorithm": self.speculators_model_type,
-                "proposal_methods": [
-                    {"proposal_type": "greedy", "speculative_tokens": self.num_speculative_tokens,
-                     "accept_tolerance": 0.0, "verifier_accept_k": 1}
-                ],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": str(target.path.resolve()), "architectures": list(target.architectures)},
-            },
+            "speculators_config": speculators_block(self.speculators_model_type, self.num_speculative_tokens, target),
         }
 
     def export(self, out_dir: Path, target: TargetInfo) -> None:
         """embed_tokens stays out (vLLM and speculators take the target's); d2t/t2d only with a reduced vocab,
         as both readers expect (neither has the buffers when the vocabularies are equal)."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(target.torch_dtype, torch.float32)
+        dtype = export_dtype(target)
         tensors = {k: (v if k in ("d2t", "t2d") else v.to(dtype)).detach().cpu().contiguous()
                    for k, v in self.state_dict().items() if self.uses_draft_vocab or k not in ("d2t", "t2d")}
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from drafters.base import Drafter, StepOutput
+from drafters.base import Drafter, StepOutput, sample_anchors
 from drafters.dflash import block_metrics
 from drafters.layers import Rotary, apply_rotary
 from feature_server.contract import FeatureSpec
@@ -241,10 +241,7 @@ class MTPDrafter(Drafter):
     def select_anchors(self, batch: PackedBatch, generator: torch.Generator) -> torch.Tensor:
         """Response tokens with a predecessor in their document (step 1 reads the target state at p-1)."""
         candidates = torch.nonzero(batch.loss_mask_T & (batch.position_ids_T > 0)).squeeze(-1)
-        if candidates.numel() > self.cfg.max_anchors:
-            pick = torch.randperm(candidates.numel(), generator=generator)[: self.cfg.max_anchors]
-            candidates = candidates[pick.to(candidates.device)].sort().values
-        return candidates
+        return sample_anchors(candidates, self.cfg.max_anchors, generator)
 
     def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator) -> StepOutput:
         anchors_N = self.select_anchors(batch, generator)
