@@ -6,9 +6,9 @@ from dataclasses import dataclass
 @dataclass
 class FeatureServerConfig:
     backend: str = "hf"  # hf | vllm
-    workers: int = 1  # target workers per trainer rank (6 per node in production)
+    workers: int = 6  # feature workers per node, split evenly over its trainer ranks (launch/layout.py)
     threads_per_worker: int = 1
     capacity_mb: int = 256  # shared-memory bytes in flight before workers block
     hidden_dtype: str = "bfloat16"
-    device: str = "cpu"  # where the target runs
+    device: str = "cpu"  # auto | cpu | cuda: where the target runs (launch/layout.py assigns GPU indices)
     dtype: str | None = None  # target compute dtype; None = the checkpoint's

@@ -1,17 +1,22 @@
-"""FeatureServer: target workers extract hidden states for disjoint row shards; the trainer iterates samples.
+"""FeatureServer: target workers extract hidden states for this rank's rows; the trainer iterates samples.
 
-Per trainer rank, `workers` spawned processes each build a backend (backends.py) and prefill their shard,
-publishing FeatureSamples through a ShmChannel (tensors in /dev/shm, metadata on the control queue). Global shard
-g = rank * workers + worker over num_ranks * workers shards, row i of `rows` belongs to shard i % num_shards
-(before skipping), so torchrun ranks see disjoint data and a resumed run keeps the same assignment.
+Per trainer rank, `workers` spawned processes each build a backend (backends.py) and prefill the rows they are
+handed, publishing FeatureSamples through a ShmChannel (tensors in /dev/shm, metadata on the control queue).
+Row i of `rows` belongs to rank i % num_ranks (before skipping), so torchrun ranks see disjoint data and a
+resumed run keeps the same assignment. Within a rank, rows are handed out dynamically, a few at a time per
+worker, so a slow worker does not hold the others back.
 
-The trainer side checks every sample that crosses the boundary (shape, dtype, tokens, shard membership, exactly
-once), re-raises a worker's exception with its worker id and row id, and turns a worker that died silently into
-an error instead of a hang. Shutdown terminates workers and sweeps the segments.
+Exactly once: the SampleLedger knows every row as pending, in flight (handed to one worker) or done. A worker
+that dies (kill -9, OOM) has its in-flight rows put back at the front of the queue for the others, and a
+replacement is started while `max_worker_restarts` allows; a late copy of a row that is already done is
+dropped and counted, never yielded twice. The trainer side checks every sample that crosses the boundary
+(shape, dtype, tokens, membership), and re-raises a worker's exception with its worker id and row id (a row
+that makes the backend raise is a data error, not a fault to retry).
 """
 
 import atexit
 import ctypes
+import logging
 import os
 import queue
 import signal
@@ -28,14 +33,16 @@ import torch
 
 from feature_server.backends import BACKENDS, build_backend
 from feature_server.contract import FeatureSample, FeatureSpec, TokenizedRow
-from feature_server.shm_transport import Received, ShmChannel
+from feature_server.shm_transport import MAX_PRODUCERS, Received, ShmChannel, ShmProducer, sweep_segments
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often the trainer re-checks worker liveness while waiting for a sample
 _JOIN_S = 30.0  # grace for finished workers to exit before they are terminated
 
 
 class FeatureWorkerError(RuntimeError):
-    """A feature worker failed (exception, or died without a word)."""
+    """A feature worker failed (exception, or died without a word and could not be replaced)."""
 
 
 def shard_rows(rows: Sequence[TokenizedRow], shard: int, num_shards: int) -> list[TokenizedRow]:
@@ -45,9 +52,7 @@ def shard_rows(rows: Sequence[TokenizedRow], shard: int, num_shards: int) -> lis
 
 @dataclass(frozen=True)
 class _WorkerArgs:
-    worker: int
-    shard: int
-    num_shards: int
+    worker: int  # producer id: unique per process, a replacement gets a new one
     backend: str
     target_dir: str
     spec: FeatureSpec
@@ -55,20 +60,31 @@ class _WorkerArgs:
     dtype: str | None
     threads: int
     batch_rows: int
-    rows: tuple[TokenizedRow, ...]
     parent_pid: int
+    tasks: object  # multiprocessing Queue of row tuples; None = stop
 
 
-class ShardLedger:
-    """Trainer-side bookkeeping: which rows each worker still owes, and the checks on what arrives."""
+class SampleLedger:
+    """Trainer-side bookkeeping: every row of this rank is pending, in flight (with one worker) or done."""
 
-    def __init__(self, spec: FeatureSpec, rows_by_worker: dict[int, list[TokenizedRow]]):
+    def __init__(self, spec: FeatureSpec, rows: Sequence[TokenizedRow]):
         self.spec = spec
-        self.rows = {r.row_id: (w, r) for w, rows in rows_by_worker.items() for r in rows}
-        self.pending = {w: deque(r.row_id for r in rows) for w, rows in rows_by_worker.items()}  # shard order
-        self._pending_sets = {w: set(ids) for w, ids in self.pending.items()}
+        self.rows = {r.row_id: r for r in rows}
+        self.pending = deque(r.row_id for r in rows)  # dataset order; reissued rows go to the front
+        self.in_flight: dict[int, dict[int, None]] = {}  # worker -> row ids, in hand-out order
+        self.owner: dict[int, int] = {}  # row id -> worker holding it
+        self.done: set[int] = set()
+        self.reissued = 0
+        self.duplicates_dropped = 0
         self.hidden_size: int | None = None
         self.num_hidden_layers: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == len(self.rows)
+
+    def outstanding(self, worker: int) -> int:
+        return len(self.in_flight.get(worker, ()))
 
     def ready(self, worker: int, info: dict) -> None:
         dims = (info["num_hidden_layers"], info["hidden_size"])
@@ -77,15 +93,25 @@ class ShardLedger:
                                      f"workers reported {(self.num_hidden_layers, self.hidden_size)}")
         self.num_hidden_layers, self.hidden_size = dims
 
-    def accept(self, msg: Received) -> FeatureSample:
+    def assign(self, worker: int, n: int) -> list[TokenizedRow]:
+        out = []
+        while self.pending and len(out) < n:
+            row_id = self.pending.popleft()
+            self.in_flight.setdefault(worker, {})[row_id] = None
+            self.owner[row_id] = worker
+            out.append(self.rows[row_id])
+        return out
+
+    def accept(self, msg: Received) -> FeatureSample | None:
+        """The checked sample, or None for a late duplicate of a row already done (counted)."""
         worker, row_id = msg.producer_id, msg.key
         if self.hidden_size is None:
-            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} arrived before the worker was ready")
-        if row_id not in self._pending_sets.get(worker, ()):
-            why = "was already received" if row_id in self.rows else "is not in this rank's rows"
-            if row_id in self.rows and self.rows[row_id][0] != worker:
-                why = f"belongs to worker {self.rows[row_id][0]}'s shard"
-            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} {why}")
+            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} arrived before any worker was ready")
+        if row_id not in self.rows:
+            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} is not in this rank's rows")
+        if row_id in self.done:
+            self.duplicates_dropped += 1
+            return None
         if set(msg.tensors) != {"input_ids_T", "loss_mask_T", "hidden_TLD"}:
             raise FeatureWorkerError(f"feature worker {worker}: row {row_id} carries fields {sorted(msg.tensors)}")
         sample = FeatureSample(row_id=row_id, **msg.tensors)
@@ -93,18 +119,31 @@ class ShardLedger:
         if sample.loss_mask_T.dtype != torch.bool:  # FeatureSample.check leaves the mask dtype to us
             raise FeatureWorkerError(f"feature worker {worker}: row {row_id} loss mask is {sample.loss_mask_T.dtype}, "
                                      "expected torch.bool")
-        row = self.rows[row_id][1]
+        row = self.rows[row_id]
         if not (torch.equal(sample.input_ids_T, torch.tensor(row.input_ids, dtype=torch.int64))
                 and torch.equal(sample.loss_mask_T, torch.tensor(row.loss_mask, dtype=torch.bool))):
             raise FeatureWorkerError(f"feature worker {worker}: row {row_id} tokens or loss mask differ from "
                                      "the dataset row")
-        self._pending_sets[worker].remove(row_id)
-        self.pending[worker].remove(row_id)  # O(1): the head, since a worker publishes in shard order
+        holder = self.owner.pop(row_id, None)
+        if holder is not None:
+            del self.in_flight[holder][row_id]
+        else:  # reissued after its worker was declared dead, then its first copy arrived after all
+            self.pending.remove(row_id)
+        self.done.add(row_id)
         return sample
 
-    def done(self, worker: int) -> None:
-        if self.pending[worker]:
-            missing = list(self.pending[worker])
+    def worker_died(self, worker: int) -> list[int]:
+        """Put a dead worker's in-flight rows back at the front of the queue; returns them."""
+        ids = list(self.in_flight.pop(worker, {}))
+        for row_id in ids:
+            del self.owner[row_id]
+        self.pending.extendleft(reversed(ids))
+        self.reissued += len(ids)
+        return ids
+
+    def finished(self, worker: int) -> None:
+        if self.outstanding(worker):
+            missing = list(self.in_flight[worker])
             raise FeatureWorkerError(f"feature worker {worker} reported done, but rows {missing[:10]} "
                                      f"({len(missing)} in all) never arrived")
 
@@ -113,10 +152,12 @@ class FeatureServer:
     """Iterate FeatureSamples of this rank's rows (each exactly once, order not guaranteed).
 
     workers: target processes for this rank; device: one for all, or one per worker ("cuda:3").
-    dtype: the target's compute dtype (None = the checkpoint's). batch_rows: rows per backend.extract call.
-    capacity_mb: bytes in shared memory not yet taken by the trainer (backpressure bound).
-    skip_row_ids: rows already trained on (resume); skipping never moves a row to another shard.
-    shm_prefix: segment-name prefix; pass a stable one so a restart sweeps a crashed run's leftovers.
+    dtype: the target's compute dtype (None = the checkpoint's). batch_rows: rows per backend.extract call;
+    each worker holds at most 2 * batch_rows rows at a time (what a death puts back in the queue).
+    capacity_mb: shared memory for samples not yet released by the trainer, split over the workers (backpressure).
+    skip_row_ids: rows already trained on (resume); skipping never moves a row to another rank.
+    shm_prefix: file-name prefix; pass a stable one so a restart sweeps a crashed run's leftovers.
+    max_worker_restarts: replacements started for workers that die, before the server gives up.
 
     Use as a context manager, or iterate to the end (or break out): workers are stopped, segments swept.
     Workers die with the thread that started them (PR_SET_PDEATHSIG), so start it from a long-lived thread.
@@ -126,64 +167,81 @@ class FeatureServer:
                  workers: int = 1, rank: int = 0, num_ranks: int = 1, capacity_mb: float = 256,
                  device: str | Sequence[str] = "cpu", dtype: str | None = None,
                  skip_row_ids: frozenset[int] = frozenset(), threads_per_worker: int = 1, batch_rows: int = 1,
-                 shm_prefix: str | None = None):
+                 shm_prefix: str | None = None, max_worker_restarts: int = 3):
         if backend not in BACKENDS:
             raise ValueError(f"unknown feature backend {backend!r}; valid names: {sorted(BACKENDS)}")
         if workers < 1 or num_ranks < 1 or not 0 <= rank < num_ranks:
             raise ValueError(f"need workers >= 1 and 0 <= rank < num_ranks, got workers={workers}, rank={rank}, "
                              f"num_ranks={num_ranks}")
-        if batch_rows < 1 or threads_per_worker < 1 or capacity_mb <= 0:
-            raise ValueError(f"batch_rows ({batch_rows}), threads_per_worker ({threads_per_worker}) and "
-                             f"capacity_mb ({capacity_mb}) must be positive")
+        if batch_rows < 1 or threads_per_worker < 1 or capacity_mb <= 0 or max_worker_restarts < 0:
+            raise ValueError(f"batch_rows ({batch_rows}), threads_per_worker ({threads_per_worker}), capacity_mb "
+                             f"({capacity_mb}) must be positive and max_worker_restarts ({max_worker_restarts}) >= 0")
+        if workers + max_worker_restarts > MAX_PRODUCERS:
+            raise ValueError(f"workers + max_worker_restarts must be <= {MAX_PRODUCERS}")
         devices = [device] * workers if isinstance(device, str) else list(device)
         if len(devices) != workers:
             raise ValueError(f"{len(devices)} devices given for {workers} workers (pass one device or one per worker)")
         _check_unique_ids(rows)
-        num_shards = num_ranks * workers
         self.spec = spec
+        self.rows = [r for r in shard_rows(rows, rank, num_ranks) if r.row_id not in skip_row_ids]
         self._capacity_bytes = max(1, int(capacity_mb * 2**20))
         self._shm_prefix = shm_prefix
-        self._args = {}
-        for w in range(workers):
-            shard = rank * workers + w
-            mine = tuple(r for r in shard_rows(rows, shard, num_shards) if r.row_id not in skip_row_ids)
-            self._args[w] = _WorkerArgs(w, shard, num_shards, backend, str(target_dir), spec, devices[w], dtype,
-                                        threads_per_worker, batch_rows, mine, os.getpid())
-        self._ledger = ShardLedger(spec, {w: list(a.rows) for w, a in self._args.items()})
-        self._procs: dict[int, mp.process.BaseProcess] = {}
+        self._config = dict(backend=backend, target_dir=str(target_dir), spec=spec, dtype=dtype,
+                            threads=threads_per_worker, batch_rows=batch_rows, parent_pid=os.getpid())
+        self._devices = devices
+        self._prefetch = 2 * batch_rows
+        self._restarts_left = max_worker_restarts
+        self._ledger = SampleLedger(spec, self.rows)
+        self._ctx = mp.get_context("spawn")  # fork would copy the trainer's threads/CUDA state into the workers
+        self._procs: dict[int, mp.process.BaseProcess] = {}  # producer id -> process (live and dead)
+        self._tasks: dict[int, object] = {}
+        self._slot: dict[int, int] = {}  # producer id -> worker slot (its device)
+        self._live: set[int] = set()
+        self._stopping: set[int] = set()  # sent the stop sentinel
+        self._suspect: set[int] = set()  # exited; declared dead after one more empty poll
+        self._finished: set[int] = set()  # reported done
+        self._died: set[int] = set()
         self._channel: ShmChannel | None = None
-        self._done: set[int] = {w for w, a in self._args.items() if not a.rows}  # empty shards: no process
-        self._silent_exits: set[int] = set()
-        self._per_worker = {w: {"samples": 0, "extract_s": 0.0, "load_s": 0.0, "blocked_s": 0.0} for w in self._args}
+        self._per_worker: dict[int, dict] = {}
         self._counts = {"samples": 0, "tokens": 0, "bytes": 0, "trainer_wait_s": 0.0}
+        self._next_id = 0
         self._iterated = self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
         if self._channel is not None:
             return
-        ctx = mp.get_context("spawn")  # fork would copy the trainer's threads/CUDA state into the workers
-        self._channel = ShmChannel(self._capacity_bytes, prefix=self._shm_prefix, ctx=ctx)
+        slots = min(len(self._devices), max(1, len(self.rows)))
+        self._channel = ShmChannel(self._capacity_bytes, prefix=self._shm_prefix, ctx=self._ctx, producers=slots)
         _LIVE.add(self)
         try:
-            for w, args in self._args.items():
-                if w in self._done:
-                    continue
-                # Not daemonic: a vLLM backend spawns its own engine processes, which daemons may not do.
-                p = ctx.Process(target=_worker_main, args=(args, self._channel), name=f"feature-worker-{w}")
-                p.start()
-                self._procs[w] = p
+            if self.rows:
+                for slot in range(slots):
+                    self._spawn(slot)
         except BaseException:
             self.close()
             raise
 
+    def _spawn(self, slot: int) -> int:
+        w, self._next_id = self._next_id, self._next_id + 1
+        tasks = self._ctx.Queue()
+        args = _WorkerArgs(worker=w, device=self._devices[slot], tasks=tasks, **self._config)
+        # Not daemonic: a vLLM backend spawns its own engine processes, which daemons may not do.
+        p = self._ctx.Process(target=_worker_main, args=(args, self._channel.producer(w)), name=f"feature-worker-{w}")
+        p.start()
+        self._channel.started(w)
+        self._procs[w], self._tasks[w], self._slot[w] = p, tasks, slot
+        self._live.add(w)
+        self._per_worker[w] = {"samples": 0, "extract_s": 0.0, "load_s": 0.0, "blocked_s": 0.0, "slot": slot}
+        return w
+
     def close(self) -> None:
-        """Stop workers (finished ones get a grace period) and sweep this server's shared-memory segments."""
+        """Stop workers (finished ones get a grace period) and sweep this server's shared-memory files."""
         if self._closed:
             return
         self._closed = True
         for w, p in self._procs.items():
-            if w in self._done:
+            if w in self._stopping:
                 p.join(_JOIN_S)
         for p in self._procs.values():
             if p.is_alive():
@@ -208,7 +266,7 @@ class FeatureServer:
     @property
     def num_rows(self) -> int:
         """Rows this rank will receive (after skip_row_ids)."""
-        return sum(len(a.rows) for a in self._args.values())
+        return len(self.rows)
 
     @property
     def hidden_size(self) -> int | None:
@@ -216,7 +274,8 @@ class FeatureServer:
         return self._ledger.hidden_size
 
     def worker_pids(self) -> dict[int, int]:
-        return {w: p.pid for w, p in self._procs.items()}
+        """Live workers: producer id -> pid."""
+        return {w: self._procs[w].pid for w in sorted(self._live)}
 
     def __iter__(self) -> Iterator[FeatureSample]:
         if self._iterated:
@@ -224,21 +283,53 @@ class FeatureServer:
         self._iterated = True
         self.start()
         try:
-            while len(self._done) < len(self._args):
+            self._dispatch()
+            while not self._ledger.complete:
                 msg = self._next_message()
                 if msg.kind == "data":
-                    yield self._accept(msg)
+                    sample = self._accept(msg)
+                    self._dispatch()  # top the worker up before the trainer takes its time
+                    if sample is not None:
+                        yield sample
                 else:
                     self._on_control(msg)
+            self._stop_workers()
         finally:
             self.close()
 
     def stats(self) -> dict:
-        extract = [s["extract_s"] for s in self._per_worker.values()]
+        per = self._per_worker.values()
+        extract = [s["extract_s"] for s in per] or [0.0]
         return {**self._counts, "extract_wall_s_sum": sum(extract), "extract_wall_s_max": max(extract),
-                "load_s_max": max(s["load_s"] for s in self._per_worker.values()),
-                "backpressure_wait_s_sum": sum(s["blocked_s"] for s in self._per_worker.values()),
-                "workers_done": len(self._done), "per_worker": {w: dict(s) for w, s in self._per_worker.items()}}
+                "load_s_max": max([s["load_s"] for s in per] or [0.0]),
+                "backpressure_wait_s_sum": sum(s["blocked_s"] for s in per),
+                "workers_done": len(self._finished), "workers_died": len(self._died),
+                "rows_reissued": self._ledger.reissued, "duplicates_dropped": self._ledger.duplicates_dropped,
+                "rows_lost": len(self._ledger.rows) - len(self._ledger.done),
+                "per_worker": {w: dict(s) for w, s in self._per_worker.items()}}
+
+    def _dispatch(self) -> None:
+        for w in sorted(self._live - self._stopping):
+            want = self._prefetch - self._ledger.outstanding(w)
+            if want > 0 and self._ledger.pending:
+                self._tasks[w].put(tuple(self._ledger.assign(w, want)))
+
+    def _stop_workers(self) -> None:
+        """Every row is done: send the stop sentinel and collect the workers' final stats."""
+        for w in self._live:
+            self._tasks[w].put(None)
+            self._stopping.add(w)
+        deadline = time.monotonic() + _JOIN_S
+        while self._live and time.monotonic() < deadline:
+            try:
+                msg = self._channel.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._live = {w for w in self._live if self._procs[w].exitcode is None}
+                continue
+            if msg.kind == "data":
+                self._accept(msg)  # a late duplicate: counted and dropped
+            else:
+                self._on_control(msg)
 
     def _next_message(self) -> Received:
         t0 = time.perf_counter()
@@ -252,22 +343,45 @@ class FeatureServer:
             self._counts["trainer_wait_s"] += time.perf_counter() - t0
 
     def _check_liveness(self) -> None:
-        # A dead worker's last messages are in the pipe before its exit code is set; so raise only after a
-        # second empty poll, which proves nothing more is coming from it.
-        for w, p in self._procs.items():
-            if w in self._done or p.exitcode is None:
+        # Normally a death shows as end-of-stream on the worker's pipe (_on_control "eof"). This catches the
+        # case where a child of the worker (a vLLM engine) still holds the pipe open: act on the exit code,
+        # after a second empty poll, which proves nothing more is coming from it.
+        for w in sorted(self._live):
+            if self._procs[w].exitcode is None:
                 continue
-            if w in self._silent_exits:
-                pending = self._ledger.pending[w]
-                at = (f"it was on row {pending[0]} or later, {len(pending)} rows undelivered" if pending
-                      else "all rows delivered")
-                raise FeatureWorkerError(
-                    f"feature worker {w} (pid {p.pid}, shard {self._args[w].shard} of {self._args[w].num_shards}) "
-                    f"exited with code {p.exitcode} without reporting an error (killed, or out of memory?); {at}")
-            self._silent_exits.add(w)
+            if w in self._suspect:
+                self._worker_died(w)
+            self._suspect.add(w)
 
-    def _accept(self, msg: Received) -> FeatureSample:
+    def _worker_died(self, w: int) -> None:
+        p = self._procs[w]
+        p.join(_POLL_S)  # end-of-stream can come a moment before the exit code
+        self._live.discard(w)
+        self._died.add(w)
+        reissued = self._ledger.worker_died(w)
+        self._channel.release_producer(w)
+        what = (f"feature worker {w} (pid {p.pid}) exited with code {p.exitcode} without reporting an error "
+                f"(killed, or out of memory?); {len(reissued)} in-flight rows reissued")
+        if self._ledger.complete:  # died while being stopped: nothing is owed
+            log.warning("%s after every row was delivered", what)
+        elif self._restarts_left > 0:
+            self._restarts_left -= 1
+            new = self._spawn(self._slot[w])
+            log.warning("%s; started worker %d in its place (%d restarts left)", what, new, self._restarts_left)
+        elif self._live:
+            log.warning("%s to the %d remaining workers", what, len(self._live))
+        else:
+            at = f"rows {reissued[:10]} undelivered" if reissued else "no row was in flight"
+            raise FeatureWorkerError(f"{what}; no workers left and no restarts left; {at}, "
+                                     f"{len(self._ledger.rows) - len(self._ledger.done)} rows not done")
+        self._dispatch()
+
+    def _accept(self, msg: Received) -> FeatureSample | None:
         sample = self._ledger.accept(msg)
+        if sample is None:
+            log.warning("feature worker %d: row %s arrived twice; the second copy was dropped", msg.producer_id,
+                        msg.key)
+            return None
         stats = self._per_worker[msg.producer_id]
         stats["samples"] += 1
         stats["extract_s"] += msg.info.get("extract_s", 0.0)
@@ -282,15 +396,19 @@ class FeatureServer:
             self._ledger.ready(w, msg.info)
             self._per_worker[w]["load_s"] = msg.info["load_s"]
         elif msg.kind == "done":
-            self._ledger.done(w)
-            self._per_worker[w].update(extract_s=msg.info["extract_s"], blocked_s=msg.info["blocked_s"])
-            self._done.add(w)
+            self._ledger.finished(w)
+            self._per_worker[w].update(blocked_s=msg.info["blocked_s"])
+            self._live.discard(w)
+            self._finished.add(w)
+        elif msg.kind == "eof":
+            if w in self._live:  # closed its pipe without "done": it died
+                self._worker_died(w)
         elif msg.kind == "error":
             rows = msg.info["rows"]
             where = f"row {rows[0]}" if len(rows) == 1 else (f"rows {rows}" if rows else "before its first row")
             raise FeatureWorkerError(
-                f"feature worker {w} (shard {self._args[w].shard} of {self._args[w].num_shards}) failed on {where}: "
-                f"{msg.info['error']}\n--- worker traceback ---\n{msg.info['traceback']}")
+                f"feature worker {w} failed on {where}: {msg.info['error']}\n"
+                f"--- worker traceback ---\n{msg.info['traceback']}")
         else:
             raise FeatureWorkerError(f"feature worker {w}: unknown control message kind {msg.kind!r}")
 
@@ -313,35 +431,38 @@ def _on_sigterm(signum, frame):
     raise _Terminated
 
 
-def _worker_main(args: _WorkerArgs, channel: ShmChannel) -> None:
+def _worker_main(args: _WorkerArgs, channel: ShmProducer) -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops us
-    _die_with_parent(args.parent_pid)
+    _die_with_parent(args.parent_pid, channel.prefix)
+    os.umask(0o077)  # whatever the backend writes (vLLM's hand-off files) is private to this user
+    os.environ["SPECDISTILL_SHM_PREFIX"] = channel.prefix  # scratch dirs named so the channel's sweep finds them
     torch.set_num_threads(args.threads)
-    w, batch, backend, extract_s = args.worker, [], None, 0.0
+    w, batch, backend = args.worker, [], None
     try:
         t0 = time.perf_counter()
-        backend = build_backend(args.backend, args.target_dir, args.spec, device=args.device, dtype=args.dtype)
-        channel.send("ready", producer_id=w, info={"num_hidden_layers": backend.num_hidden_layers,
+        device = _pin_gpu(args.device)
+        backend = build_backend(args.backend, args.target_dir, args.spec, device=device, dtype=args.dtype)
+        channel.send("ready", info={"num_hidden_layers": backend.num_hidden_layers,
                                                    "hidden_size": backend.hidden_size,
                                                    "load_s": time.perf_counter() - t0})
-        for start in range(0, len(args.rows), args.batch_rows):
-            batch = args.rows[start: start + args.batch_rows]
-            t0 = time.perf_counter()
-            hiddens = backend.extract(list(batch))
-            dt = time.perf_counter() - t0
-            extract_s += dt
-            if len(hiddens) != len(batch):
-                raise RuntimeError(f"backend returned {len(hiddens)} hidden states for {len(batch)} rows")
-            for row, hidden_TLD in zip(batch, hiddens):
-                channel.put(row.row_id, _sample_tensors(row, hidden_TLD), producer_id=w,
-                            info={"extract_s": dt / len(batch)})
-        channel.send("done", producer_id=w, info={"extract_s": extract_s, "blocked_s": channel.blocked_seconds})
+        while (task := args.tasks.get()) is not None:
+            for start in range(0, len(task), args.batch_rows):
+                batch = task[start: start + args.batch_rows]
+                t0 = time.perf_counter()
+                hiddens = backend.extract(list(batch))
+                dt = time.perf_counter() - t0
+                if len(hiddens) != len(batch):
+                    raise RuntimeError(f"backend returned {len(hiddens)} hidden states for {len(batch)} rows")
+                for row, hidden_TLD in zip(batch, hiddens):
+                    channel.put(row.row_id, _sample_tensors(row, hidden_TLD), info={"extract_s": dt / len(batch)})
+            batch = []
+        channel.send("done", info={"blocked_s": channel.blocked_seconds})
     except _Terminated:
         channel.abandon()  # the trainer is shutting down: report nothing, wait for nothing
         sys.exit(128 + signal.SIGTERM)
     except BaseException as e:
-        channel.send("error", producer_id=w, key=batch[0].row_id if batch else None,
+        channel.send("error", key=batch[0].row_id if batch else None,
                      info={"rows": [r.row_id for r in batch], "error": f"{type(e).__name__}: {e}"[:2000],
                            "traceback": traceback.format_exc()})
         channel.close()
@@ -349,7 +470,19 @@ def _worker_main(args: _WorkerArgs, channel: ShmChannel) -> None:
     finally:
         if backend is not None:
             backend.close()
+        if os.getppid() != args.parent_pid:  # the trainer is gone (kill -9): nobody else will sweep its files
+            sweep_segments(channel.prefix)
     channel.close()  # flush the control queue before the process exits
+
+
+def _pin_gpu(device: str) -> str:
+    """"cuda:N" -> this process sees only GPU N (as cuda:0), so a vLLM engine started here cannot touch the others."""
+    if not device.startswith("cuda:"):
+        return device
+    index = int(device.split(":")[1])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+    return "cuda:0"
 
 
 def _sample_tensors(row: TokenizedRow, hidden_TLD: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -357,13 +490,14 @@ def _sample_tensors(row: TokenizedRow, hidden_TLD: torch.Tensor) -> dict[str, to
             "loss_mask_T": torch.tensor(row.loss_mask, dtype=torch.bool), "hidden_TLD": hidden_TLD}
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int, prefix: str) -> None:
     """Linux: SIGTERM this worker when the trainer dies, so a kill -9'd trainer leaves no orphans behind."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return  # not Linux: close() and atexit still stop workers
     if os.getppid() != parent_pid:  # the trainer died before prctl took effect
+        sweep_segments(prefix)
         os._exit(1)
 
 

@@ -1,24 +1,26 @@
 """A bounded channel for tensor payloads between processes, through POSIX shared memory.
 
 Design (why each choice):
-- Data path: one raw file per payload under /dev/shm (tmpfs, i.e. RAM; never regular disk), written and read
-  through mmap. Not `multiprocessing.shared_memory`: on Python 3.11 its resource_tracker unlinks a producer's
-  segments when the producer exits, even if the consumer has not read them yet.
-- Control path: one multiprocessing Queue carrying metadata only (kind, producer id, key = row id, segment name,
-  per-field name/dtype/shape/offset/nbytes, small scalar info). `put` refuses anything else, so a tensor can
-  never be pickled through the queue by accident.
-- Capacity: bytes in flight (written, not yet consumed) are counted in shared memory under a lock.
-  A producer blocks while in_flight + new > capacity, unless nothing is in flight (so one oversized payload
-  still moves instead of deadlocking).
-- Consumer: `get` copies the tensors out into ordinary (process-private) tensors, unlinks the segment and
-  releases its capacity at once. Copy-out costs one memcpy, but it decouples capacity from how long the trainer
-  keeps a sample (a packing buffer holding views would otherwise stall producers, or deadlock them).
-- Cleanup: every segment name is `<prefix>-<producer>-<pid>-<seq>`, with a per-run prefix. The owning
-  (consumer) channel sweeps `<prefix>-*` at start (leftovers of a crashed run with the same prefix), at close,
-  at interpreter exit and on SIGTERM/SIGINT; so a producer killed mid-write (kill -9) leaves nothing behind
-  once the consumer closes.
+- Data path: each producer writes into its own ring file under /dev/shm (tmpfs, i.e. RAM; never regular disk),
+  mapped once by the producer and once by the consumer. A payload costs the producer one memcpy into pages that
+  are already mapped (a fresh file per payload would pay page allocation + faults, ~6x slower than the memcpy),
+  and the consumer none: it hands out tensors that are views of the ring. Not `multiprocessing.shared_memory`:
+  on Python 3.11 its resource_tracker unlinks a producer's segments when the producer exits.
+- Reuse: a ring region is free again once every view of it is gone (a finalizer on the numpy base of the views,
+  so slices and reshapes keep it alive); the consumer then advances that producer's tail in shared memory.
+  Payloads larger than a ring go through a one-off segment file, copied out and unlinked by the consumer.
+- Control path: one pipe per producer carrying metadata only (kind, key = row id, ring name and offset, per-field
+  name/dtype/shape/offset/nbytes, small scalar info). `put` refuses anything else, so a tensor can never be
+  pickled through it by accident. Per-producer pipes and single-writer counters (no shared lock or queue) mean a
+  producer killed mid-message can only break its own stream, which then reads as end-of-stream.
+- Capacity: `capacity_bytes` is split into one ring per expected producer. A producer blocks while its ring has
+  no room (backpressure); an oversized payload waits while other oversized bytes would exceed the capacity.
+- Cleanup: every file name is `<prefix>-...` with a per-run prefix. The consumer unlinks a ring's name as soon as
+  it has mapped it (the memory lives while either side maps it), and the owning (consumer) channel sweeps
+  `<prefix>-*` at start (leftovers of a crashed run with the same prefix), at close, at interpreter exit and on
+  SIGTERM/SIGINT; so a producer killed mid-write (kill -9) leaves nothing behind once the consumer closes.
 
-Legend: P = payload bytes of one segment.
+Legend: P = payload bytes, R = ring bytes. Ring offsets are virtual (monotonic); physical = virtual % R.
 """
 
 import atexit
@@ -26,8 +28,11 @@ import contextlib
 import glob
 import math
 import mmap
+import multiprocessing.connection
 import os
+import queue
 import re
+import shutil
 import signal
 import threading
 import time
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 
 import multiprocessing as mp
+import numpy as np
 import torch
 
 SHM_DIR = "/dev/shm"
@@ -49,7 +55,7 @@ _DTYPES = {
 }
 _SCALARS = (str, int, float, bool, type(None))
 _POLL_S = 0.01  # a blocked producer re-checks capacity at least this often
-_LOCK_TIMEOUT_S = 30.0
+MAX_PRODUCERS = 256  # producer ids index shared arrays: 0 <= producer_id < MAX_PRODUCERS
 
 
 class ChannelFull(Exception):
@@ -89,16 +95,19 @@ def check_metadata_only(obj, where: str = "message") -> None:
 
 
 def segment_paths(prefix: str) -> list[str]:
-    """The /dev/shm files currently named with this channel prefix."""
+    """The /dev/shm files (rings, oversized segments, vLLM hand-off dirs) currently named with this prefix."""
     return sorted(glob.glob(os.path.join(SHM_DIR, f"{prefix}-*")))
 
 
 def sweep_segments(prefix: str) -> int:
-    """Unlink every segment of this prefix; returns how many were removed."""
+    """Remove every file or directory of this prefix; returns how many were removed."""
     removed = 0
     for path in segment_paths(prefix):
         try:
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
             removed += 1
         except FileNotFoundError:  # consumed concurrently
             pass
@@ -122,18 +131,26 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _write_segment(path: str, tensors: dict[str, torch.Tensor], fields: list[dict], size_P: int) -> None:
+def _write_fields(dst_P: torch.Tensor, tensors: dict[str, torch.Tensor], fields: list[dict]) -> None:
+    for f in fields:
+        if f["nbytes"]:
+            dst_P[f["offset"]: f["offset"] + f["nbytes"]].copy_(_as_bytes(tensors[f["name"]]))
+
+
+def _create_mapped(path: str, size: int) -> mmap.mmap:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size_P)
-        with mmap.mmap(fd, size_P) as mm:
-            dst_P = torch.frombuffer(mm, dtype=torch.uint8)
-            for f in fields:
-                if f["nbytes"]:
-                    dst_P[f["offset"]: f["offset"] + f["nbytes"]].copy_(_as_bytes(tensors[f["name"]]))
-            del dst_P  # release the buffer export before the mmap closes
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
     finally:
         os.close(fd)
+
+
+def _write_segment(path: str, tensors: dict[str, torch.Tensor], fields: list[dict], size_P: int) -> None:
+    with _create_mapped(path, size_P) as mm:
+        dst_P = torch.frombuffer(mm, dtype=torch.uint8)
+        _write_fields(dst_P, tensors, fields)
+        del dst_P  # release the buffer export before the mmap closes
 
 
 def _read_segment(path: str, fields: list[dict]) -> dict[str, torch.Tensor]:
@@ -156,156 +173,327 @@ def _read_segment(path: str, fields: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _views(base_P: np.ndarray, fields: list[dict]) -> dict[str, torch.Tensor]:
+    """Tensors over one ring region, without a copy; each keeps `base_P` (and so the region) alive."""
+    out = {}
+    for f in fields:
+        dtype, shape = _DTYPES[f["dtype"]], tuple(f["shape"])
+        if not f["nbytes"]:
+            out[f["name"]] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.from_numpy(base_P[f["offset"]: f["offset"] + f["nbytes"]])
+        out[f["name"]] = flat.view(dtype).reshape(shape)
+    return out
+
+
+@dataclass
+class _Region:
+    start: int  # virtual offsets in the producer's ring
+    end: int
+    freed: bool = False
+
+
+class _ConsumerRing:
+    """The consumer's side of one producer's ring: the mapping and the regions handed out, in ring order."""
+
+    def __init__(self, name: str, size: int):
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        _unlink_quietly(path)  # mapped on both sides now: the name is no longer needed, so it cannot leak
+        self.name, self.size = name, size
+        self.regions: "list[_Region]" = []  # outstanding, ascending start
+        self.last_end = 0
+
+    def take(self, start: int, size_P: int) -> tuple[np.ndarray, _Region]:
+        region = _Region(start, start + size_P)
+        self.regions.append(region)
+        self.last_end = region.end
+        return np.frombuffer(self.mm, dtype=np.uint8, count=size_P, offset=start % self.size), region
+
+    def tail(self) -> int:
+        """Everything before the first region still in use is free."""
+        while self.regions and self.regions[0].freed:
+            self.regions.pop(0)
+        return self.regions[0].start if self.regions else self.last_end
+
+
+class ShmProducer:
+    """One producer's end of a ShmChannel: made by `ShmChannel.producer(id)`, passed to the producer process as
+    a Process argument (or used in-process). Its control pipe and ring are its own, so a producer killed at any
+    instant can corrupt nothing the other producers use."""
+
+    def __init__(self, channel: "ShmChannel", producer_id: int, conn):
+        self.prefix, self.producer_id, self._conn = channel.prefix, producer_id, conn
+        self.ring_bytes, self.capacity_bytes = channel.ring_bytes, channel.capacity_bytes
+        self._heads, self._tails, self._blocked = channel._heads, channel._tails, channel._blocked
+        self._reserved, self._released, self._freed = channel._reserved, channel._released, channel._freed
+        self._ring: tuple[str, mmap.mmap, torch.Tensor] | None = None
+        self._seq = 0
+        self.blocked_seconds = 0.0  # time spent waiting for room
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(_ring=None, _seq=0, blocked_seconds=0.0)
+        return state
+
+    def put(self, key: int, tensors: dict[str, torch.Tensor], *, info: dict | None = None, block: bool = True,
+            timeout: float | None = None) -> None:
+        """Publish one payload. Blocks for room (backpressure); ChannelFull if not block / timed out."""
+        info = info or {}
+        fields, size_P = _layout(tensors)
+        msg = {"kind": "data", "key": key, "info": info, "fields": fields, "nbytes": size_P}
+        check_metadata_only(msg, f"row {key} control message")
+        if size_P > self.ring_bytes:
+            self._put_oversized(msg, tensors, block, timeout)
+        else:
+            self._put_ring(msg, tensors, block, timeout)
+        self._seq += 1
+
+    def send(self, kind: str, *, key: int | None = None, info: dict | None = None) -> None:
+        """A metadata-only message (ready / done / error...) on the same ordered control path."""
+        if kind == "data":
+            raise ValueError("kind 'data' is reserved for put()")
+        msg = {"kind": kind, "key": key, "info": info or {}}
+        check_metadata_only(msg, f"{kind} control message")
+        self._conn.send(msg)
+
+    def close(self) -> None:
+        """Done producing: the consumer sees end-of-stream once every copy of this end is closed."""
+        self._ring = None  # unmapped when the last tensor over it is gone
+        self._conn.close()
+
+    abandon = close  # pipe sends are synchronous: nothing is left to flush or to drop
+
+    def _put_ring(self, msg: dict, tensors: dict[str, torch.Tensor], block: bool, timeout: float | None) -> None:
+        pid, size_P, R = self.producer_id, msg["nbytes"], self.ring_bytes
+        name, _mm, ring_R = self._ensure_ring()
+        head = self._heads[pid]
+        pos = head % R
+        waste = R - pos if pos + size_P > R else 0  # a payload never wraps: skip the ring's tail end
+        self._wait_for_room(lambda: R - (head - self._tails[pid]) >= waste + size_P,
+                            f"producer {pid}: ring of {R} bytes has no room for {size_P} more", block, timeout)
+        start = head + waste
+        _write_fields(ring_R[start % R: start % R + size_P], tensors, msg["fields"])
+        self._heads[pid] = start + size_P
+        self._conn.send({**msg, "ring": name, "ring_bytes": R, "start": start})
+
+    def _ensure_ring(self) -> tuple[str, mmap.mmap, torch.Tensor]:
+        if self._ring is None:
+            name = f"{self.prefix}-ring{self.producer_id}-{os.getpid()}"
+            mm = _create_mapped(os.path.join(SHM_DIR, name), self.ring_bytes)
+            self._heads[self.producer_id] = self._tails[self.producer_id] = 0  # this id starts afresh
+            self._ring = (name, mm, torch.frombuffer(mm, dtype=torch.uint8))
+        return self._ring
+
+    def _put_oversized(self, msg: dict, tensors: dict[str, torch.Tensor], block: bool,
+                       timeout: float | None) -> None:
+        pid, size_P = self.producer_id, msg["nbytes"]
+
+        def oversized_in_flight() -> int:
+            return sum(self._reserved[i] - self._released[i] for i in range(MAX_PRODUCERS))
+
+        # Lock-free, so soft: producers racing here may overshoot the capacity by one payload each.
+        self._wait_for_room(lambda: oversized_in_flight() == 0 or oversized_in_flight() + size_P <= self.capacity_bytes,
+                            f"{oversized_in_flight()} oversized bytes in flight + {size_P} > capacity "
+                            f"{self.capacity_bytes}", block, timeout)
+        segment = f"{self.prefix}-{pid}-{os.getpid()}-{self._seq}"
+        path = os.path.join(SHM_DIR, segment)
+        self._reserved[pid] += size_P
+        try:
+            _write_segment(path, tensors, msg["fields"], size_P)
+            self._conn.send({**msg, "segment": segment})
+        except BaseException:
+            _unlink_quietly(path)
+            self._reserved[pid] -= size_P
+            raise
+
+    def _wait_for_room(self, has_room, why: str, block: bool, timeout: float | None) -> None:
+        if has_room():
+            return
+        if not block:
+            raise ChannelFull(why)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        t0 = time.monotonic()
+        self._blocked[self.producer_id] = 1
+        try:
+            while not has_room():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise ChannelFull(why)
+                # Woken by the consumer freeing room; the poll bounds the wait if a wake-up went elsewhere.
+                self._freed.acquire(timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
+        finally:
+            self._blocked[self.producer_id] = 0
+            self.blocked_seconds += time.monotonic() - t0
+
+
 class ShmChannel:
-    """Many producers -> one consumer. Create it in the consumer (the owner), hand it to producer processes as
-    a Process argument, `put` there and `get` here. The owner sweeps the segments; see the module doc."""
+    """Many producers -> one consumer. Create it in the consumer (the owner); `producer(id)` makes the end a
+    producer process uses (pass it as a Process argument, then call `started(id)`); `get` here. The owner sweeps
+    the files; see the module doc. In-process producers (tests) can call `put`/`send` here directly.
+
+    producers: how many producers share `capacity_bytes` (one ring of capacity_bytes // producers each).
+    Producer ids are 0 <= id < MAX_PRODUCERS, one per producer process; a replacement gets a new id.
+    """
 
     def __init__(self, capacity_bytes: int, *, prefix: str | None = None, ctx: BaseContext | None = None,
-                 handle_signals: bool = True):
+                 handle_signals: bool = True, producers: int = 1):
         if not os.path.isdir(SHM_DIR):
             raise RuntimeError(f"{SHM_DIR} is missing: the transport needs POSIX shared memory (tmpfs)")
         self.prefix = prefix or f"sdshm_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         if not _PREFIX_RE.match(self.prefix):
             raise ValueError(f"channel prefix {self.prefix!r} must match {_PREFIX_RE.pattern} (no '-' or '/')")
-        if capacity_bytes < 1:
-            raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
-        ctx = ctx or mp.get_context("spawn")
+        if capacity_bytes < 1 or producers < 1:
+            raise ValueError(f"capacity_bytes and producers must be >= 1, got {capacity_bytes}, {producers}")
+        self._ctx = ctx or mp.get_context("spawn")
         self.capacity_bytes = int(capacity_bytes)
-        self._control = ctx.Queue()
-        # Not a multiprocessing.Condition: its notify waits for every sleeper to wake, so a producer killed
-        # while blocked would hang the consumer. A lock + wake-up semaphore + short poll cannot hang.
-        self._lock = ctx.Lock()
-        self._freed = ctx.Semaphore(0)
-        self._in_flight = ctx.RawValue("q", 0)  # guarded by _lock
-        self._blocked = ctx.RawValue("i", 0)  # producers waiting for capacity, guarded by _lock
-        self._owner = True
+        self.ring_bytes = max(_ALIGN, self.capacity_bytes // producers // _ALIGN * _ALIGN)
+        # Every shared value has one writer (no lock a killed producer could hold): heads, reserved and blocked
+        # are written by their producer, tails and released by the consumer.
+        self._heads = self._ctx.RawArray("q", MAX_PRODUCERS)
+        self._tails = self._ctx.RawArray("q", MAX_PRODUCERS)
+        self._reserved = self._ctx.RawArray("q", MAX_PRODUCERS)  # oversized bytes ever reserved
+        self._released = self._ctx.RawArray("q", MAX_PRODUCERS)  # oversized bytes ever taken by the consumer
+        self._blocked = self._ctx.RawArray("b", MAX_PRODUCERS)
+        self._freed = self._ctx.Semaphore(0)
+        self._readers: dict[int, object] = {}  # producer id -> read end of its control pipe
+        self._writers: dict[int, object] = {}  # our copies of the write ends, until the producer has started
+        self._local: dict[int, ShmProducer] = {}
+        self._rings: dict[int, _ConsumerRing] = {}
+        self._order: list[int] = []  # round-robin over producers with messages waiting
         self._closed = False
-        self._seq = 0
-        self.blocked_seconds = 0.0  # this producer's time spent waiting for capacity
+        self._advancing = False
         sweep_segments(self.prefix)  # a crashed earlier run with the same prefix
         _OWNERS.add(self)
         if handle_signals:
             _install_signal_handlers()
 
-    # Producers get a copy through Process args; only the owner sweeps and handles signals.
     def __getstate__(self):
-        state = self.__dict__.copy()
-        state.update(_owner=False, _seq=0, blocked_seconds=0.0)
-        return state
+        raise TypeError("a ShmChannel stays in the consumer; pass channel.producer(id) to producer processes")
 
-    # ---- producer side -------------------------------------------------------------------------------
-    def put(self, key: int, tensors: dict[str, torch.Tensor], *, producer_id: int = 0, info: dict | None = None,
-            block: bool = True, timeout: float | None = None) -> None:
-        """Publish one payload. Blocks for capacity (backpressure); ChannelFull if not block / timed out."""
-        info = info or {}
-        fields, size_P = _layout(tensors)
-        msg = {"kind": "data", "producer": producer_id, "key": key, "info": info, "fields": fields,
-               "nbytes": size_P, "segment": f"{self.prefix}-{producer_id}-{os.getpid()}-{self._seq}"}
-        check_metadata_only(msg, f"row {key} control message")
-        self._reserve(size_P, block, timeout)
-        path = os.path.join(SHM_DIR, msg["segment"])
-        try:
-            _write_segment(path, tensors, fields, size_P)
-            self._control.put(msg)
-        except BaseException:
-            _unlink_quietly(path)
-            self._release(size_P)
-            raise
-        self._seq += 1
+    # ---- producers -----------------------------------------------------------------------------------
+    def producer(self, producer_id: int) -> ShmProducer:
+        if not 0 <= producer_id < MAX_PRODUCERS:
+            raise ValueError(f"producer_id {producer_id} outside [0, {MAX_PRODUCERS})")
+        if producer_id in self._readers:
+            raise ValueError(f"producer id {producer_id} already has an end; give each producer its own id")
+        reader, writer = self._ctx.Pipe(duplex=False)
+        self._readers[producer_id], self._writers[producer_id] = reader, writer
+        self._order.append(producer_id)
+        return ShmProducer(self, producer_id, writer)
 
-    def send(self, kind: str, *, producer_id: int = 0, key: int | None = None, info: dict | None = None) -> None:
-        """A metadata-only message (ready / done / error...) on the same ordered control path."""
-        if kind == "data":
-            raise ValueError("kind 'data' is reserved for put()")
-        msg = {"kind": kind, "producer": producer_id, "key": key, "info": info or {}}
-        check_metadata_only(msg, f"{kind} control message")
-        self._control.put(msg)
+    def started(self, producer_id: int) -> None:
+        """The producer process holds its own copy now: close ours, so its exit reads as end-of-stream."""
+        self._writers.pop(producer_id).close()
 
-    def _reserve(self, size_P: int, block: bool, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        t0, waiting = time.monotonic(), False
-        try:
-            while True:
-                with self._locked():
-                    in_flight = self._in_flight.value
-                    if in_flight == 0 or in_flight + size_P <= self.capacity_bytes:
-                        self._in_flight.value = in_flight + size_P
-                        return
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if not block or (remaining is not None and remaining <= 0):
-                        raise ChannelFull(f"{in_flight} bytes in flight + {size_P} > capacity {self.capacity_bytes}")
-                    if not waiting:
-                        self._blocked.value += 1
-                        waiting = True
-                # Woken by the consumer's release; the poll bounds the wait if a wake-up went to another producer.
-                self._freed.acquire(timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
-        finally:
-            if waiting:
-                with self._locked():
-                    self._blocked.value -= 1
-                self.blocked_seconds += time.monotonic() - t0
+    def put(self, key: int, tensors: dict[str, torch.Tensor], *, producer_id: int = 0, **kwargs) -> None:
+        self._local_producer(producer_id).put(key, tensors, **kwargs)
 
-    def _release(self, size_P: int) -> None:
-        with self._locked():
-            self._in_flight.value -= size_P
-            waiters = self._blocked.value
-        for _ in range(waiters):
-            self._freed.release()
+    def send(self, kind: str, *, producer_id: int = 0, **kwargs) -> None:
+        self._local_producer(producer_id).send(kind, **kwargs)
 
-    @contextlib.contextmanager
-    def _locked(self):
-        # Held for a few arithmetic ops only; a timeout turns "a producer was killed holding it" into an error.
-        if not self._lock.acquire(timeout=_LOCK_TIMEOUT_S):
-            raise RuntimeError(f"channel {self.prefix}: capacity lock not acquired in {_LOCK_TIMEOUT_S} s "
-                               "(a producer probably died while holding it)")
-        try:
-            yield
-        finally:
-            self._lock.release()
+    def _local_producer(self, producer_id: int) -> ShmProducer:
+        if producer_id not in self._local:
+            self._local[producer_id] = self.producer(producer_id)
+        return self._local[producer_id]
 
     # ---- consumer side -------------------------------------------------------------------------------
     def get(self, timeout: float | None = None) -> Received:
-        """Next message in arrival order; raises queue.Empty after timeout. Data is copied out, its segment
-        unlinked and its capacity released before this returns."""
-        msg = self._control.get(timeout=timeout)
+        """Next message, round-robin over producers; raises queue.Empty after timeout. A producer whose every
+        write end is closed (it exited, or was killed) yields one Received(kind="eof") and is forgotten.
+
+        Ring payloads arrive as views of the ring (no copy): the region is reused once the last view is gone,
+        so holding samples holds capacity. Oversized payloads are copied out and their segment unlinked."""
+        ready = mp.connection.wait(list(self._readers.values()), timeout)
+        if not ready:
+            raise queue.Empty
+        by_conn = {id(c): pid for pid, c in self._readers.items()}
+        waiting = {by_conn[id(c)] for c in ready}
+        pid = next(p for p in self._order if p in waiting)
+        self._order.remove(pid)
+        self._order.append(pid)  # served last next time: one busy producer cannot starve the others
+        try:
+            msg = self._readers[pid].recv()
+        except (EOFError, OSError):
+            self._readers.pop(pid).close()
+            self._order.remove(pid)
+            return Received("eof", pid, None, {})
         if msg["kind"] != "data":
-            return Received(msg["kind"], msg["producer"], msg["key"], msg["info"])
+            return Received(msg["kind"], pid, msg["key"], msg["info"])
+        if "ring" in msg:
+            return Received("data", pid, msg["key"], msg["info"], self._take_ring(pid, msg), msg["nbytes"])
         path = os.path.join(SHM_DIR, msg["segment"])
         try:
             tensors = _read_segment(path, msg["fields"])
         except FileNotFoundError:
             raise RuntimeError(
-                f"row {msg['key']} from producer {msg['producer']}: segment {path} vanished before it was read "
+                f"row {msg['key']} from producer {pid}: segment {path} vanished before it was read "
                 "(swept by another channel with the same prefix, or /dev/shm was cleaned)") from None
         finally:
             _unlink_quietly(path)
-            self._release(msg["nbytes"])
-        return Received("data", msg["producer"], msg["key"], msg["info"], tensors, msg["nbytes"])
+            self._released[pid] += msg["nbytes"]
+            self._wake()
+        return Received("data", pid, msg["key"], msg["info"], tensors, msg["nbytes"])
+
+    def _take_ring(self, pid: int, msg: dict) -> dict[str, torch.Tensor]:
+        ring = self._rings.get(pid)
+        if ring is None:
+            try:
+                ring = self._rings[pid] = _ConsumerRing(msg["ring"], msg["ring_bytes"])
+            except FileNotFoundError:
+                raise RuntimeError(f"row {msg['key']} from producer {pid}: ring {msg['ring']} vanished before it "
+                                   "was mapped (swept by another channel with the same prefix?)") from None
+        base_P, region = ring.take(msg["start"], msg["nbytes"])
+        weakref.finalize(base_P, self._free, region)
+        return _views(base_P, msg["fields"])
+
+    def _free(self, region: _Region) -> None:
+        """Finalizer of a region's last view: publish the new tails and wake blocked producers."""
+        region.freed = True
+        if self._advancing or self._closed:  # re-entered (GC inside the loop) or shutting down
+            return
+        self._advancing = True
+        try:
+            for pid, ring in list(self._rings.items()):
+                self._tails[pid] = ring.tail()
+            self._wake()
+        finally:
+            self._advancing = False
+
+    def _wake(self) -> None:
+        for _ in range(sum(self._blocked)):
+            self._freed.release()
+
+    def release_producer(self, producer_id: int) -> None:
+        """A producer died: return the oversized capacity it reserved but never delivered."""
+        self._released[producer_id] = self._reserved[producer_id]
+        self._wake()
 
     def bytes_in_flight(self) -> int:
-        with self._locked():
-            return self._in_flight.value
+        """Ring bytes written and not yet free again, plus oversized bytes in flight."""
+        return sum(self._heads[p] - self._tails[p] + self._reserved[p] - self._released[p]
+                   for p in range(MAX_PRODUCERS))
 
     def blocked_producers(self) -> int:
-        """How many producers are waiting for capacity right now (tests use it to see backpressure)."""
-        with self._locked():
-            return self._blocked.value
+        """How many producers are waiting for room right now (tests use it to see backpressure)."""
+        return sum(self._blocked)
 
     def close(self) -> None:
-        """Owner: sweep every segment of the prefix. Producer: flush queued control messages."""
+        """Sweep every file of the prefix and close the control pipes."""
         if self._closed:
             return
         self._closed = True
-        if self._owner:
-            sweep_segments(self.prefix)
-            _OWNERS.discard(self)
-        self._control.close()
-        self._control.join_thread()
-
-    def abandon(self) -> None:
-        """Producer shutting down on request: drop unsent control messages instead of waiting to flush them."""
-        self._closed = True
-        self._control.cancel_join_thread()
+        sweep_segments(self.prefix)
+        _OWNERS.discard(self)
+        for conn in [*self._readers.values(), *self._writers.values()]:
+            conn.close()
+        self._readers.clear()
+        self._writers.clear()
+        self._local.clear()
 
     def __enter__(self):
         return self

@@ -108,11 +108,13 @@ def resolve_dtype(target_dir: str, dtype: str | torch.dtype | None) -> str:
 
 
 def _shm_dir() -> str:
-    """A private directory on tmpfs, so hidden states stay in RAM; falls back to the temp dir with a warning."""
+    """A private (0700) directory on tmpfs, so hidden states stay in RAM; falls back to the temp dir with a
+    warning. Named `<channel prefix>-hs-*` inside a feature worker, so the run's sweep removes it after a crash."""
+    prefix = os.environ.get("SPECDISTILL_SHM_PREFIX", "specdistill") + "-hs-"
     if os.path.isdir(SHM_ROOT) and os.access(SHM_ROOT, os.W_OK):
-        return tempfile.mkdtemp(prefix="specdistill-hs-", dir=SHM_ROOT)
+        return tempfile.mkdtemp(prefix=prefix, dir=SHM_ROOT)
     logger.warning("%s is not writable: hidden states go through %s instead", SHM_ROOT, tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix="specdistill-hs-")
+    return tempfile.mkdtemp(prefix=prefix)
 
 
 def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str, storage_dir: str,

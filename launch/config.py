@@ -13,6 +13,7 @@ from omegaconf import MISSING
 from drafters import DRAFTERS
 from feature_server.config import FeatureServerConfig
 from trainer.config import TrainerConfig
+from trainer.tracking import LoggerConfig
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RunConfig:
     feature_server: FeatureServerConfig = field(default_factory=FeatureServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     cache_dir: str = MISSING  # tiny targets and synthetic data are built here once (conf/config.yaml)
 
 
@@ -50,5 +52,6 @@ def register_configs() -> None:
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
     cs.store(group="feature_server", name="feature_server_schema", node=FeatureServerConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
     for name, (config_cls, _) in DRAFTERS.items():
         cs.store(group="drafter", name=f"{name}_schema", node=config_cls)

@@ -7,6 +7,9 @@ resumes from its last checkpoint.
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import hydra
@@ -26,8 +29,11 @@ register_configs()
 def main(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     cache_dir = Path(cfg.cache_dir).expanduser()
+    # Built (or found in the cache) before any rank starts, so ranks never race to build them.
     target_dir = resolve_target(OmegaConf.to_object(cfg.target), cache_dir)
     train_path, heldout_path = resolve_data(OmegaConf.to_object(cfg.data), target_dir, cache_dir)
+    if cfg.trainer.ranks > 1 and "LOCAL_RANK" not in os.environ:
+        return _relaunch_under_torchrun(cfg.trainer.ranks, run_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     write_run_info(run_dir, resolved)
     trainer = Trainer(
@@ -46,6 +52,20 @@ def main(cfg: DictConfig) -> dict:
         log.info("metrics: %s", json.dumps({k: metrics[k] for k in ("steps", "tau_offline", "training_seconds",
                                                                    "feature_extraction_seconds")}))
     return metrics
+
+
+def _relaunch_under_torchrun(ranks: int, run_dir: Path) -> dict:
+    """trainer.ranks > 1 from a plain `python -m launch.train`: start the ranks with torchrun on this node, with
+    the run dir fixed so that every rank (and a later resume) writes to the same place."""
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "-m", "launch.train", *overrides, f"hydra.run.dir={run_dir}"]
+    log.info("trainer.ranks=%d: %s", ranks, " ".join(cmd))
+    proc = subprocess.run(cmd)
+    if proc.returncode:
+        raise SystemExit(f"torchrun with {ranks} ranks failed (exit code {proc.returncode}); see the log above")
+    metrics_file = run_dir / "metrics.json"
+    return json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
 
 
 if __name__ == "__main__":

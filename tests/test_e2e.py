@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,15 +50,50 @@ def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_on_cpu(tmp_path, cache_dir, tiny_target):
-    """DDP over gloo: each rank streams its own shard; rank 0 writes the run directory."""
+def test_two_ranks_launched_by_the_cli_via_torchrun(tmp_path, cache_dir, tiny_target):
+    """trainer.ranks=2 from plain `python -m launch.train`: it starts torchrun itself (DDP over gloo); each rank
+    streams its own shard from its own worker; rank 0 writes the run directory."""
     tiny_target("tiny-llama")
     run_dir = tmp_path / "ddp"
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           "-m", "launch.train", "target=tiny-llama", *SMALL, "trainer.max_steps=2", "trainer.device=cpu",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", *SMALL, "trainer.max_steps=2",
+           "trainer.device=cpu", "trainer.ranks=2", "feature_server.workers=2", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "torch.distributed.run --standalone --nproc-per-node=2" in proc.stdout + proc.stderr
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["steps"] == 2 and (run_dir / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_run_survives_a_killed_feature_worker_with_nothing_lost_or_twice(tmp_path, cache_dir, tiny_target):
+    """kill -9 one of two feature workers mid-run: its rows are reissued, the run finishes, and metrics.json
+    counts 0 samples lost and 0 duplicated over the completed epochs."""
+    import psutil
+
+    tiny_target("tiny-llama")
+    run_dir = tmp_path / "kill"
+    env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    args = [a for a in SMALL if not a.startswith(("data.rows", "trainer.token_budget"))]
+    cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", *args, "data.rows=24", "trainer.token_budget=256",
+           "trainer.max_steps=30", "trainer.checkpoint_every=100", "feature_server.workers=2",
+           f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log = run_dir / "train_log.jsonl"
+        deadline = time.monotonic() + 600
+        while not (log.is_file() and log.read_text().count("\n") >= 2):  # training, mid-epoch
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-5000:]
+            time.sleep(0.2)
+        workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 2, [c.cmdline() for c in workers]
+        workers[0].kill()
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-5000:]
+    assert "exited with code -9" in out
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["steps"] == 30 and metrics["epochs_completed"] >= 1
+    assert metrics["samples_lost"] == 0 and metrics["samples_duplicated"] == 0
+    assert metrics["feature_workers_died"] == 1

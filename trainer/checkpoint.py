@@ -26,6 +26,13 @@ class TrainState:
     feature_seconds: float = 0.0  # worker-side extraction, summed over workers
     feature_wait_seconds: float = 0.0  # trainer idle waiting for features
     last_loss: float = float("nan")
+    # Exactly-once accounting (feature_server/server.py's ledger), summed over epochs; duplicated and lost
+    # are the trainer's own count of what reached it, so they must stay 0.
+    samples_duplicated: int = 0
+    samples_lost: int = 0
+    rows_reissued: int = 0
+    duplicate_deliveries_dropped: int = 0
+    feature_workers_died: int = 0
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

@@ -16,6 +16,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     precision: str = "auto"  # auto | fp32 | bf16 (bf16 autocast over fp32 master weights)
     device: str = "auto"  # auto | cpu | cuda
+    ranks: int = 2  # trainer processes per node (torchrun --nproc-per-node); launch.train starts them
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -23,4 +24,3 @@ class TrainerConfig:
     eval_rows: int = 64  # held-out rows for tau_offline (0 = all)
     compile: bool = False  # torch.compile the drafter (GPU)
     progress: bool = True
-    wandb_project: str | None = None  # log to wandb when set (needs the `wandb` extra)

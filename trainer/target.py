@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from feature_server.fp8 import dequantize_blockwise
+
 # model_type -> whether its RMSNorm computes x_normed * (1 + w) (zero-centred weights).
 SUPPORTED_MODEL_TYPES = {
     "llama": False,
@@ -44,6 +46,7 @@ class TargetInfo:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int | None  # dense MLP width; None for pure-MoE targets
+    quantization: str | None = None  # "fp8" for FP8 checkpoints (decoder weights only; see _open_tensor)
 
     @classmethod
     def load(cls, path: str | Path) -> "TargetInfo":
@@ -77,6 +80,7 @@ class TargetInfo:
             num_key_value_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
             head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
             intermediate_size=text.get("intermediate_size"),
+            quantization=(raw.get("quantization_config") or text.get("quantization_config") or {}).get("quant_method"),
         )
 
 
@@ -98,7 +102,8 @@ class RMSNorm(nn.Module):
 
 
 def _open_tensor(path: Path, candidates: tuple[str, ...]) -> torch.Tensor:
-    """Read one tensor by the first matching name, from model.safetensors or a sharded index."""
+    """Read one tensor by the first matching name, from model.safetensors or a sharded index; an FP8 tensor is
+    dequantized with its `<name>_scale_inv` (block-wise) or `<name>_scale` (per tensor / per channel)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -110,8 +115,22 @@ def _open_tensor(path: Path, candidates: tuple[str, ...]) -> torch.Tensor:
             continue
         with safe_open(str(file), framework="pt") as f:
             if name in f.keys():
-                return f.get_tensor(name)
+                tensor = f.get_tensor(name)
+                if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    tensor = _dequantize(path, name, tensor, f)
+                return tensor
     raise KeyError(f"{path}: none of {list(candidates)} found in the checkpoint's safetensors")
+
+
+def _dequantize(path: Path, name: str, q: torch.Tensor, f) -> torch.Tensor:
+    keys = set(f.keys())
+    if f"{name}_scale_inv" in keys:
+        return dequantize_blockwise(q, f.get_tensor(f"{name}_scale_inv"))
+    if f"{name}_scale" in keys:
+        scale = f.get_tensor(f"{name}_scale").float()
+        return q.float() * (scale.view(-1, 1) if scale.numel() > 1 else scale)
+    raise ValueError(f"{path}: tensor {name} is {q.dtype} but the checkpoint has no {name}_scale_inv or {name}_scale "
+                     "next to it (expected vLLM's fp8 layout)")
 
 
 def _names(suffix: str) -> tuple[str, ...]:

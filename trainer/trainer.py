@@ -7,6 +7,7 @@ offline evaluation -> metrics.json. `_step()` is the whole training step.
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -19,7 +20,8 @@ from transformers import AutoTokenizer
 from drafters import build_drafter
 from feature_server.config import FeatureServerConfig
 from feature_server.dataset import check_tokenizer_matches, load_rows
-from feature_server.server import FeatureServer
+from feature_server.server import FeatureServer, shard_rows
+from trainer.layout import cuda_device_count, plan_node
 from trainer import distributed
 from trainer.batch import PackedBatch, pack_stream
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -37,6 +39,13 @@ class Trainer:
     def __init__(self, drafter_cfg, trainer_cfg: TrainerConfig, server_cfg: FeatureServerConfig, run_dir: Path,
                  target_dir: Path, train_path: Path, heldout_path: Path | None, resolved_config: dict | None = None):
         self.cfg, self.server_cfg, self.run_dir = trainer_cfg, server_cfg, run_dir
+        self.layout = plan_node(trainer_cfg.ranks, server_cfg.workers, trainer_cfg.device, server_cfg.device,
+                                cuda_device_count())
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_ranks != trainer_cfg.ranks:
+            raise ValueError(f"trainer.ranks={trainer_cfg.ranks}, but {local_ranks} trainer processes run on this node; "
+                             "start them with `python -m launch.train` (it launches torchrun itself), or pass "
+                             f"trainer.ranks=<torchrun --nproc-per-node>")
         self.dist = distributed.init_distributed(trainer_cfg.device)
         torch.manual_seed(trainer_cfg.seed)
         self.target = TargetInfo.load(target_dir)
@@ -53,6 +62,8 @@ class Trainer:
         self.head = TargetHead(self.target).to(self.dist.device)
         self.spec = replace(self.drafter.feature_spec(), hidden_dtype=server_cfg.hidden_dtype)
         self.spec.check_against(self.target.num_hidden_layers)
+        _check_feature_capacity(server_cfg, self.layout.workers_per_rank, trainer_cfg.token_budget, self.spec,
+                                self.target.hidden_size)
         self.model = DistributedDataParallel(self.drafter) if self.dist.enabled else self.drafter
         if trainer_cfg.compile:
             self.model = torch.compile(self.model)
@@ -66,7 +77,7 @@ class Trainer:
         # Stable per run and rank, so a crashed run's leftover segments are swept when it resumes.
         run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
         self.shm_prefix = f"specdistill_{run_key}_r{self.dist.rank}"
-        self.tracker = Tracker(trainer_cfg.wandb_project, run_dir, resolved_config or {}, enabled=self.dist.is_main)
+        self.tracker = Tracker.from_run_config(resolved_config or {}, run_dir, enabled=self.dist.is_main)
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -95,11 +106,25 @@ class Trainer:
                 if state.step % self.cfg.checkpoint_every == 0:
                     self._save(state)
                 if state.step >= self.cfg.max_steps:
-                    state.feature_seconds += server.stats()["extract_wall_s_sum"]
+                    self._count_delivery(server, state, epoch_done=False)
                     return False
                 waited = time.perf_counter()
-            state.feature_seconds += server.stats()["extract_wall_s_sum"]
+            self._count_delivery(server, state, epoch_done=True)
         return True
+
+    def _count_delivery(self, server: FeatureServer, state: TrainState, epoch_done: bool) -> None:
+        stats = server.stats()
+        state.feature_seconds += stats["extract_wall_s_sum"]
+        state.rows_reissued += stats["rows_reissued"]
+        state.duplicate_deliveries_dropped += stats["duplicates_dropped"]
+        state.feature_workers_died += stats["workers_died"]
+        if epoch_done:  # every row of this rank must have been trained on exactly once by now
+            mine = {r.row_id for r in shard_rows(self.rows, self.dist.rank, self.dist.world_size)}
+            lost = mine - state.consumed_row_ids
+            if lost:
+                log.error("epoch %d: %d rows never reached the trainer, e.g. %s", state.epoch, len(lost),
+                          sorted(lost)[:10])
+            state.samples_lost += len(lost)
 
     def _step(self, batch: PackedBatch, state: TrainState) -> None:
         started = time.perf_counter()
@@ -115,6 +140,10 @@ class Trainer:
         state.step += 1
         state.train_tokens += batch.num_tokens
         state.train_response_tokens += int(batch.loss_mask_T.sum())
+        seen_twice = state.consumed_row_ids.intersection(batch.row_ids)
+        if seen_twice or len(set(batch.row_ids)) != len(batch.row_ids):
+            log.error("step %d: rows %s reached the trainer twice this epoch", state.step, sorted(seen_twice)[:10])
+            state.samples_duplicated += len(seen_twice) + len(batch.row_ids) - len(set(batch.row_ids))
         state.consumed_row_ids.update(batch.row_ids)
         state.last_loss = float(out.loss.detach())
         self.window.add(out)
@@ -126,9 +155,10 @@ class Trainer:
         """Workers over this rank's shard of `rows` (sharded=False: all of them, for rank-0 evaluation)."""
         c = self.server_cfg
         rank, num_ranks = (self.dist.rank, self.dist.world_size) if sharded else (0, 1)
-        return FeatureServer(self.target.path, self.spec, rows, backend=c.backend, workers=c.workers,
+        devices = self.layout.worker_devices[self.dist.local_rank]
+        return FeatureServer(self.target.path, self.spec, rows, backend=c.backend, workers=len(devices),
                              rank=rank, num_ranks=num_ranks, capacity_mb=c.capacity_mb,
-                             device=c.device, dtype=c.dtype, skip_row_ids=frozenset(skip),
+                             device=list(devices), dtype=c.dtype, skip_row_ids=frozenset(skip),
                              threads_per_worker=c.threads_per_worker, shm_prefix=self.shm_prefix)
 
     def _resume(self) -> TrainState:
@@ -176,6 +206,11 @@ class Trainer:
                 "num_speculative_tokens": self.drafter.num_speculative_tokens,
                 "feature_extraction_seconds": state.feature_seconds,
                 "feature_wait_seconds": state.feature_wait_seconds,
+                "samples_duplicated": state.samples_duplicated,
+                "samples_lost": state.samples_lost,
+                "rows_reissued": state.rows_reissued,
+                "duplicate_deliveries_dropped": state.duplicate_deliveries_dropped,
+                "feature_workers_died": state.feature_workers_died,
                 "training_seconds": state.train_seconds,
                 "eval_seconds": time.perf_counter() - eval_started,
                 "skipped_rows": {"train": asdict(self.train_skips),
@@ -195,6 +230,20 @@ class Trainer:
             return None
         with self._server(rows, sharded=False) as server:  # streamed: counts do not depend on order
             return evaluate(self.drafter, self.head, server, self.spec.layer_ids, self.dist.device, torch.float32)
+
+
+def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, token_budget: int, spec,
+                            hidden_size: int) -> None:
+    """Samples are zero-copy views of each worker's ring, so a ring must hold the pack being filled, the next
+    sample and a wrap-around gap: 3 packs. Less can stall every worker while the trainer waits for a sample."""
+    pack = token_budget * len(spec.layer_ids) * hidden_size * spec.torch_dtype.itemsize
+    ring = server_cfg.capacity_mb * 2**20 / workers
+    if ring < 3 * pack:
+        need = -(-3 * pack * workers // 2**20)
+        raise ValueError(f"feature_server.capacity_mb={server_cfg.capacity_mb} gives each of this rank's {workers} "
+                         f"workers a {ring / 2**20:.0f} MiB ring, but a {token_budget}-token pack of "
+                         f"{len(spec.layer_ids)} layers x {hidden_size} {spec.hidden_dtype} is {pack / 2**20:.0f} MiB "
+                         f"and a ring must hold 3; set feature_server.capacity_mb >= {need}")
 
 
 def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

@@ -1,4 +1,4 @@
-"""FeatureServer with real spawned HF workers on a tiny random Llama: delivery, sharding, errors, cleanup."""
+"""FeatureServer with real spawned HF workers on a tiny random Llama: delivery, sharding, faults, errors, cleanup."""
 
 import os
 import signal
@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from feature_server.contract import FeatureSpec, TokenizedRow
 from feature_server.hf_backend import HFBackend
-from feature_server.server import FeatureServer, FeatureWorkerError, ShardLedger, shard_rows
+from feature_server.server import FeatureServer, FeatureWorkerError, SampleLedger, shard_rows
 from feature_server.shm_transport import Received, segment_paths
 
 VOCAB, HIDDEN, LAYERS = 128, 32, 2
@@ -57,27 +57,23 @@ def test_two_workers_deliver_every_row_exactly_once(target, request):
         assert got[row.row_id].input_ids_T.tolist() == list(row.input_ids)
     assert stats["samples"] == 10 and stats["tokens"] == sum(r.num_tokens for r in rows)
     assert stats["bytes"] > sum(h.numel() * 4 for h in expected.values())
-    assert stats["workers_done"] == 2 and {w: s["samples"] for w, s in stats["per_worker"].items()} == {0: 5, 1: 5}
+    assert stats["workers_done"] == 2 and sum(s["samples"] for s in stats["per_worker"].values()) == 10
+    assert all(s["samples"] > 0 for s in stats["per_worker"].values())  # both took rows from the queue
+    assert (stats["rows_reissued"], stats["duplicates_dropped"], stats["rows_lost"]) == (0, 0, 0)
     assert 0 < stats["extract_wall_s_max"] <= stats["extract_wall_s_sum"]
     assert segment_paths(prefix) == []
 
 
-def test_shards_over_ranks_and_workers_are_disjoint_and_complete(target):
+def test_rank_shards_are_disjoint_and_complete_and_stable_under_skips(target):
     rows = _rows(23)
     skip = frozenset(r.row_id for r in rows[::5])
-    owned = []
-    for rank in range(3):
-        server = FeatureServer(target, SPEC, rows, workers=2, rank=rank, num_ranks=3, skip_row_ids=skip)
-        for w, args in server._args.items():
-            assert args.shard == rank * 2 + w and args.num_shards == 6
-            owned.append([r.row_id for r in args.rows])
+    owned = [[r.row_id for r in FeatureServer(target, SPEC, rows, workers=2, rank=rank, num_ranks=3,
+                                              skip_row_ids=skip).rows] for rank in range(3)]
     flat = [i for ids in owned for i in ids]
     assert len(flat) == len(set(flat)) and set(flat) == {r.row_id for r in rows} - skip
-    # A resumed run (more rows skipped) keeps every remaining row on the same shard.
-    resumed = FeatureServer(target, SPEC, rows, workers=2, rank=1, num_ranks=3, skip_row_ids=skip | {rows[3].row_id})
-    for w in range(2):  # rows[3] sits in shard 3 = rank 1, worker 1
-        assert [r.row_id for r in resumed._args[w].rows] == [i for i in owned[2 + w] if i != rows[3].row_id]
-    assert len(resumed._args[1].rows) == len(owned[3]) - 1
+    # A resumed run (more rows skipped) keeps every remaining row on the same rank.
+    resumed = FeatureServer(target, SPEC, rows, workers=2, rank=0, num_ranks=3, skip_row_ids=skip | {rows[3].row_id})
+    assert [r.row_id for r in resumed.rows] == [i for i in owned[0] if i != rows[3].row_id]
 
 
 @pytest.mark.slow  # two spawned workers importing torch + transformers: ~15 s on 2 cores
@@ -117,23 +113,52 @@ def test_worker_exception_names_worker_and_row_and_cleans_up(target, request):
     assert segment_paths(prefix) == []
 
 
-def test_killed_worker_raises_instead_of_hanging(target, request):
+def _consume_killing(server, kill_after: int = 1):
+    """Iterate, kill -9 one live worker after `kill_after` samples; returns row ids in arrival order."""
+    got = []
+    for sample in server:
+        got.append(sample.row_id)
+        if len(got) == kill_after:
+            os.kill(server.worker_pids()[0], signal.SIGKILL)
+    return got
+
+
+def test_killed_worker_without_restarts_raises_instead_of_hanging(target, request):
     rows = _rows(30)
     prefix = _prefix(request)
-    # 1-byte capacity: one sample in flight at a time, so the worker cannot finish while we hold off.
-    server = FeatureServer(target, SPEC, rows, workers=1, capacity_mb=1e-6, shm_prefix=prefix)
-    it = iter(server)
-    first = next(it)
-    os.kill(server.worker_pids()[0], signal.SIGKILL)
-    with pytest.raises(FeatureWorkerError, match=r"worker 0 .*exited with code -9 without reporting.*row \d+"):
-        for sample in it:
-            assert sample.row_id != first.row_id
+    # Tiny capacity: one sample in flight at a time, so the worker cannot finish while we hold off.
+    server = FeatureServer(target, SPEC, rows, workers=1, capacity_mb=1e-6, shm_prefix=prefix, max_worker_restarts=0)
+    with pytest.raises(FeatureWorkerError, match=r"worker 0 .*exited with code -9 without reporting.*no workers left"
+                                                 r".*rows \[\d+"):
+        _consume_killing(server)
+    assert segment_paths(prefix) == []
+
+
+@pytest.mark.slow  # three spawned workers: ~20 s on 2 cores
+def test_killed_worker_rows_are_reissued_exactly_once(target, request):
+    """kill -9 one of two workers mid-run: its in-flight rows go to the other; every row arrives exactly once."""
+    rows = _rows(40)
+    prefix = _prefix(request)
+    server = FeatureServer(target, SPEC, rows, workers=2, capacity_mb=1e-6, shm_prefix=prefix, max_worker_restarts=0)
+    got = _consume_killing(server, kill_after=3)
+    stats = server.stats()
+    assert sorted(got) == sorted(r.row_id for r in rows)  # nothing lost, nothing twice
+    assert stats["workers_died"] == 1 and stats["rows_reissued"] >= 1 and stats["rows_lost"] == 0
+    assert segment_paths(prefix) == []
+
+    # With restarts, even a single worker's death is survived: a replacement takes the rows over.
+    server = FeatureServer(target, SPEC, rows[:12], workers=1, capacity_mb=1e-6, shm_prefix=prefix,
+                           max_worker_restarts=1)
+    got = _consume_killing(server, kill_after=2)
+    assert sorted(got) == sorted(r.row_id for r in rows[:12])
+    assert server.stats()["workers_died"] == 1 and server.stats()["workers_done"] == 1
     assert segment_paths(prefix) == []
 
 
 def _ledger():
     rows = _rows(4)
-    return rows, ShardLedger(SPEC, {0: rows[:2], 1: rows[2:]})
+    ledger = SampleLedger(SPEC, rows)
+    return rows, ledger
 
 
 def _received(row: TokenizedRow, worker: int, hidden_TLD=None) -> Received:
@@ -146,11 +171,13 @@ def _received(row: TokenizedRow, worker: int, hidden_TLD=None) -> Received:
 
 def test_ledger_rejects_samples_that_break_the_contract():
     rows, ledger = _ledger()
-    with pytest.raises(FeatureWorkerError, match="before the worker was ready"):
+    assert [r.row_id for r in ledger.assign(0, 2)] == [rows[0].row_id, rows[1].row_id]
+    with pytest.raises(FeatureWorkerError, match="before any worker was ready"):
         ledger.accept(_received(rows[0], 0))
     ledger.ready(0, {"num_hidden_layers": LAYERS, "hidden_size": HIDDEN})
-    with pytest.raises(FeatureWorkerError, match=rf"row {rows[2].row_id} belongs to worker 1's shard"):
-        ledger.accept(_received(rows[2], 0))
+    stranger = TokenizedRow(5, rows[0].input_ids, rows[0].loss_mask)
+    with pytest.raises(FeatureWorkerError, match="row 5 is not in this rank's rows"):
+        ledger.accept(_received(stranger, 0))
     with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden states shape"):
         ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 1, HIDDEN)))
     with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden dtype"):
@@ -159,14 +186,28 @@ def test_ledger_rejects_samples_that_break_the_contract():
     int_mask.tensors["loss_mask_T"] = int_mask.tensors["loss_mask_T"].long()
     with pytest.raises(FeatureWorkerError, match="loss mask is torch.int64"):
         ledger.accept(int_mask)
-    ledger.accept(_received(rows[0], 0))
-    with pytest.raises(FeatureWorkerError, match=rf"row {rows[0].row_id} was already received"):
-        ledger.accept(_received(rows[0], 0))
-    with pytest.raises(FeatureWorkerError, match=rf"reported done, but rows \[{rows[1].row_id}\]"):
-        ledger.done(0)
     tampered = TokenizedRow(rows[1].row_id, (rows[1].input_ids[0] + 1,) + rows[1].input_ids[1:], rows[1].loss_mask)
     with pytest.raises(FeatureWorkerError, match="tokens or loss mask differ"):
         ledger.accept(_received(tampered, 0))
+    assert ledger.accept(_received(rows[0], 0)) is not None
+    with pytest.raises(FeatureWorkerError, match=rf"reported done, but rows \[{rows[1].row_id}\]"):
+        ledger.finished(0)
+
+
+def test_ledger_reissues_a_dead_workers_rows_and_drops_late_duplicates():
+    rows, ledger = _ledger()
+    ledger.ready(0, {"num_hidden_layers": LAYERS, "hidden_size": HIDDEN})
+    ledger.assign(0, 2)
+    ledger.assign(1, 2)
+    assert ledger.accept(_received(rows[0], 0)) is not None
+    assert ledger.worker_died(0) == [rows[1].row_id]  # in flight with the dead worker -> back in the queue
+    assert list(ledger.pending) == [rows[1].row_id]
+    assert [r.row_id for r in ledger.assign(1, 1)] == [rows[1].row_id]
+    for row in rows[1:]:
+        assert ledger.accept(_received(row, 1)) is not None
+    assert ledger.complete and ledger.reissued == 1
+    assert ledger.accept(_received(rows[1], 0)) is None  # the dead worker's late copy
+    assert ledger.duplicates_dropped == 1 and len(ledger.done) == 4
 
 
 def test_argument_errors(target):

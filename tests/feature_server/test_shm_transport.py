@@ -65,16 +65,41 @@ def test_round_trip_all_dtypes_and_segment_gone_after_get():
             assert got.tensors[name].dtype == t.dtype, name
             assert got.tensors[name].shape == t.shape, name
             assert torch.equal(got.tensors[name], t), name
-        assert segment_paths(ch.prefix) == []
+        assert segment_paths(ch.prefix) == []  # the ring is mapped on both sides: its name is gone
+        assert ch.bytes_in_flight() == _layout_bytes(sent)  # views of the ring: still held
+        del got
+        assert ch.bytes_in_flight() == 0  # the last view gone -> the region is free
+
+
+def _layout_bytes(tensors) -> int:
+    from feature_server.shm_transport import _layout
+    return _layout(tensors)[1]
+
+
+def test_held_views_are_never_overwritten_and_free_room_when_dropped():
+    """Zero-copy: a held sample pins its ring region; the producer waits instead of overwriting it.
+    The ring is FIFO, so room behind a held region comes back only when that region is dropped."""
+    one = _layout_bytes({"x": torch.arange(64)})
+    with ShmChannel(2 * one, prefix=_prefix()) as ch:
+        ch.put(0, {"x": torch.arange(64)})
+        held = ch.get(timeout=HANG_GUARD_S).tensors["x"][10:20]  # a slice keeps the region pinned too
+        ch.put(1, {"x": torch.full((64,), 7)})
+        assert ch.get(timeout=HANG_GUARD_S).key == 1  # dropped at once, but behind the held region
+        with pytest.raises(ChannelFull):
+            ch.put(2, {"x": torch.full((64,), 9)}, block=False)
+        assert held.tolist() == list(range(10, 20))
+        del held
+        ch.put(2, {"x": torch.full((64,), 9)}, block=False)
+        assert ch.get(timeout=HANG_GUARD_S).tensors["x"].tolist() == [9] * 64
         assert ch.bytes_in_flight() == 0
 
 
-def test_received_tensors_are_private_copies():
-    with ShmChannel(1 << 20, prefix=_prefix()) as ch:
-        ch.put(0, {"x": torch.arange(4)})
-        got = ch.get(timeout=HANG_GUARD_S).tensors["x"]
-        got += 1  # writable, and the segment is already unlinked
-        assert got.tolist() == [1, 2, 3, 4]
+def test_ring_reuse_round_trips_many_payloads_exactly():
+    with ShmChannel(3 * _layout_bytes(_payload()), prefix=_prefix()) as ch:
+        for i in range(20):  # wraps the ring several times
+            ch.put(i, _payload(i))
+            got = ch.get(timeout=HANG_GUARD_S)
+            assert got.key == i and all(torch.equal(got.tensors[k], v) for k, v in _payload(i).items())
 
 
 def test_nonblocking_put_refused_until_consumer_releases():
@@ -124,7 +149,7 @@ def test_control_queue_carries_metadata_only():
         big = {"hidden_TLD": torch.randn(256, 4, 256).to(torch.bfloat16)}  # 512 KiB
         ch.put(7, big, info={"extract_s": 0.1})
         ch.send("done", producer_id=0, info={"samples": 1})
-        raw = [ch._control.get(timeout=HANG_GUARD_S) for _ in range(2)]  # what actually crossed the queue
+        raw = [ch._readers[0].recv() for _ in range(2)]  # what actually crossed the control pipe
         for msg in raw:
             check_metadata_only(msg)
             assert len(pickle.dumps(msg)) < 4096
@@ -142,7 +167,7 @@ def test_close_sweeps_unconsumed_segments():
     ch = ShmChannel(1 << 20, prefix=_prefix())
     ch.put(0, _payload())
     ch.put(1, _payload())
-    assert len(segment_paths(ch.prefix)) == 2
+    assert len(segment_paths(ch.prefix)) == 1  # one ring holds both
     ch.close()
     assert segment_paths(ch.prefix) == []
 
@@ -155,28 +180,32 @@ def test_exception_inside_context_sweeps():
     assert segment_paths(ch.prefix) == []
 
 
-def _produce_forever(ch: ShmChannel) -> None:
+def _produce_forever(producer) -> None:
     for i in range(10**9):
-        ch.put(i, _payload(i), producer_id=1)
+        producer.put(i, _payload(i))
 
 
 def test_killed_producer_leftovers_swept_at_close_and_at_next_start():
     size = _one_payload_bytes()
     ch = ShmChannel(2 * size, prefix=_prefix())
-    p = mp.get_context("spawn").Process(target=_produce_forever, args=(ch,), daemon=True)
+    p = mp.get_context("spawn").Process(target=_produce_forever, args=(ch.producer(1),), daemon=True)
     p.start()
+    ch.started(1)
     try:
         # Backpressure across processes: two payloads in flight, the producer waits for the third.
         _wait_until(lambda: ch.blocked_producers() == 1, "producer process blocked on capacity")
-        assert len(segment_paths(ch.prefix)) == 2
+        assert len(segment_paths(ch.prefix)) == 1  # its ring, not yet mapped by the consumer
         os.kill(p.pid, signal.SIGKILL)
         p.join(HANG_GUARD_S)
         assert p.exitcode == -signal.SIGKILL
         # A producer killed while waiting must not hang the consumer (a multiprocessing.Condition would).
         got = ch.get(timeout=HANG_GUARD_S)
         assert got.key == 0 and torch.equal(got.tensors["fp32"], _payload(0)["fp32"])
-        assert len(segment_paths(ch.prefix)) == 1  # the crash left the unread one behind...
-        # ...a restart with the same prefix sweeps it,
+        assert ch.get(timeout=HANG_GUARD_S).key == 1  # delivered before the kill: still readable
+        assert ch.get(timeout=HANG_GUARD_S).kind == "eof"  # then its stream ends: no hang, no guessing
+        assert segment_paths(ch.prefix) == []  # mapped -> unlinked: the dead producer's ring cannot leak
+        # A crash before the consumer mapped anything: a restart with the same prefix sweeps it,
+        open(os.path.join("/dev/shm", f"{ch.prefix}-ring1-{p.pid}"), "wb").close()
         ShmChannel(1, prefix=ch.prefix, handle_signals=False).close()
         assert segment_paths(ch.prefix) == []
         # and so does close(), for whatever is there at that point.
@@ -205,7 +234,7 @@ def test_consumer_signal_sweeps_segments(signum):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-        assert len(segment_paths(prefix)) == 2
+        assert len(segment_paths(prefix)) == 1
         proc.send_signal(signum)
         proc.wait(HANG_GUARD_S)
     finally:

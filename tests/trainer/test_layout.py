@@ -1,0 +1,31 @@
+"""Node layout: device per trainer rank and feature worker, and the errors for layouts a node cannot hold."""
+
+import pytest
+
+from trainer.layout import plan_node
+
+
+def test_production_node_gives_each_process_its_own_gpu():
+    layout = plan_node(ranks=2, workers=6, trainer_device="cuda", worker_device="cuda", cuda_devices=8)
+    assert layout.trainer_devices == ("cuda:0", "cuda:1")
+    assert layout.worker_devices == (("cuda:2", "cuda:3", "cuda:4"), ("cuda:5", "cuda:6", "cuda:7"))
+    every = [*layout.trainer_devices, *(d for ws in layout.worker_devices for d in ws)]
+    assert len(set(every)) == 8
+
+
+def test_cpu_layouts_and_auto():
+    layout = plan_node(ranks=2, workers=2, trainer_device="auto", worker_device="cpu", cuda_devices=0)
+    assert layout.trainer_devices == ("cpu", "cpu") and layout.worker_devices == (("cpu",), ("cpu",))
+    mixed = plan_node(ranks=1, workers=3, trainer_device="auto", worker_device="cpu", cuda_devices=1)
+    assert mixed.trainer_devices == ("cuda:0",) and mixed.worker_devices == (("cpu", "cpu", "cpu"),)
+
+
+def test_too_few_devices_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(RuntimeError, match=r"needs 8 CUDA devices \(2 trainer ranks \+ 6 feature workers.*"
+                                           r"this machine has 1 \(CUDA_VISIBLE_DEVICES=0\)"):
+        plan_node(ranks=2, workers=6, trainer_device="cuda", worker_device="cuda", cuda_devices=1)
+    with pytest.raises(ValueError, match="workers=5 does not split evenly over trainer.ranks=2"):
+        plan_node(ranks=2, workers=5, trainer_device="cpu", worker_device="cpu", cuda_devices=0)
+    with pytest.raises(ValueError, match="expected auto, cpu or cuda"):
+        plan_node(ranks=1, workers=1, trainer_device="cuda:3", worker_device="cpu", cuda_devices=4)
