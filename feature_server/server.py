@@ -251,6 +251,7 @@ class FeatureServer:
             if p.is_alive():
                 p.kill()
                 p.join()
+            _kill_group(p.pid)  # whatever the worker started and did not stop (an engine after a kill -9)
         if self._channel is not None:
             self._channel.close()
         _LIVE.discard(self)
@@ -356,6 +357,7 @@ class FeatureServer:
     def _worker_died(self, w: int) -> None:
         p = self._procs[w]
         p.join(_POLL_S)  # end-of-stream can come a moment before the exit code
+        _kill_group(p.pid)
         self._live.discard(w)
         self._died.add(w)
         reissued = self._ledger.worker_died(w)
@@ -413,6 +415,13 @@ class FeatureServer:
             raise FeatureWorkerError(f"feature worker {w}: unknown control message kind {msg.kind!r}")
 
 
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is empty: nothing was left behind
+
+
 def _check_unique_ids(rows: Sequence[TokenizedRow]) -> None:
     seen = set()
     for r in rows:
@@ -432,6 +441,9 @@ def _on_sigterm(signum, frame):
 
 
 def _worker_main(args: _WorkerArgs, channel: ShmProducer) -> None:
+    # Its own process group, inherited by the vLLM engine processes it starts: if this worker is killed, the
+    # trainer kills the group (_kill_group), so no engine is left behind holding memory or a GPU.
+    os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops us
     _die_with_parent(args.parent_pid, channel.prefix)
