@@ -22,13 +22,18 @@ TRAIN = ["drafter=dflash", "drafter.num_layers=1", "data.rows=48", "data.heldout
          "trainer.warmup_steps=4", "trainer.progress=false"]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3-next"])
+# The third case trains on features extracted by vLLM itself (feature_server=vllm): its export must pass the same
+# checks as one trained on transformers' features.
+@pytest.fixture(scope="module", params=[("tiny-llama", "hf"), ("tiny-qwen3-next", "hf"), ("tiny-llama", "vllm")],
+                ids=["tiny-llama", "tiny-qwen3-next", "tiny-llama-vllm-features"])
 def served(request, tmp_path_factory, cache_dir, tiny_target):
-    target_dir = tiny_target(request.param)
-    run_dir = tmp_path_factory.mktemp(f"serve-{request.param}") / "run"
-    run_train([f"target={request.param}", *TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
-    assert json.loads((run_dir / "run_info.json").read_text())["config"]["drafter"]["name"] == "dflash"
-    return served_run(request.param, run_dir, target_dir, "dflash")
+    target, features = request.param
+    target_dir = tiny_target(target)
+    run_dir = tmp_path_factory.mktemp(f"serve-{target}-{features}") / "run"
+    run_train([f"target={target}", f"feature_server={features}", *TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
+    config = json.loads((run_dir / "run_info.json").read_text())["config"]
+    assert config["drafter"]["name"] == "dflash" and config["feature_server"]["backend"] == features
+    return {**served_run(target, run_dir, target_dir, "dflash"), "features": features}
 
 
 def test_served_outputs_are_lossless(served):
@@ -46,7 +51,7 @@ def test_served_acceptance_equals_offline_walk(served):
 # tell the two apart at this scale; tests/drafters/test_dflash.py asserts the flag the export writes instead.
 @pytest.mark.parametrize("mutation", ["layer_ids_off_by_one"])
 def test_a_broken_export_is_caught_by_the_acceptance_check(served, tmp_path, mutation):
-    if served["name"] != "tiny-llama":
+    if (served["name"], served["features"]) != ("tiny-llama", "hf"):
         pytest.skip("run once, on the exact fp32 target")
     broken = tmp_path / "export"  # directory name holds "export": vLLM's path guess would not say dflash
     shutil.copytree(served["run_dir"] / "export", broken)

@@ -64,7 +64,8 @@ def save_checkpoint(run_dir: Path, state: TrainState, drafter, optimizers, gener
 
 
 def load_checkpoint(path: Path, drafter, optimizers, generator, meta: dict) -> TrainState:
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    # weights_only: tensors and plain containers only - a checkpoint can never run code on load.
+    payload = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("drafter", "target_layer_ids", "model_type"):
         if payload["meta"].get(key) != meta.get(key):
             raise ValueError(

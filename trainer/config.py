@@ -8,6 +8,7 @@ class TrainerConfig:
     max_steps: int = 200  # bounds a run; epochs repeat the data until then
     max_epochs: int = 100
     token_budget: int = 4096  # tokens per packed sequence (32768 per GPU in production)
+    grad_accum: int = 1  # packs per optimizer step and rank (global batch = ranks x grad_accum packs)
     lr: float = 3e-3  # AdamW (norms, biases, vectors)
     muon_lr: float = 0.02  # torch.optim.Muon for 2-D weight matrices
     weight_decay: float = 0.0

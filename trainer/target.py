@@ -113,7 +113,12 @@ def _open_tensor(path: Path, candidates: tuple[str, ...]) -> torch.Tensor:
     for name, file in files.items():
         if not file.is_file():
             continue
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as err:  # safetensors' own errors do not name the file
+            raise ValueError(f"{file}: not a readable safetensors file ({type(err).__name__}: {err}); "
+                             "re-download or re-export the target checkpoint") from err
+        with handle as f:
             if name in f.keys():
                 tensor = f.get_tensor(name)
                 if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

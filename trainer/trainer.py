@@ -4,6 +4,7 @@ Read `train()` top to bottom: resume -> epochs of (feature server -> packs -> st
 offline evaluation -> metrics.json. `_step()` is the whole training step.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -41,6 +42,8 @@ class Trainer:
         self.cfg, self.server_cfg, self.run_dir = trainer_cfg, server_cfg, run_dir
         self.layout = plan_node(trainer_cfg.ranks, server_cfg.workers, trainer_cfg.device, server_cfg.device,
                                 cuda_device_count())
+        if trainer_cfg.grad_accum < 1:
+            raise ValueError(f"trainer.grad_accum={trainer_cfg.grad_accum}: need >= 1 pack per optimizer step")
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local_ranks != trainer_cfg.ranks:
             raise ValueError(f"trainer.ranks={trainer_cfg.ranks}, but {local_ranks} trainer processes run on this node; "
@@ -97,9 +100,10 @@ class Trainer:
     def _run_epoch(self, state: TrainState, bar) -> bool:
         with self._server(self.rows, skip=state.consumed_row_ids) as server:
             waited = time.perf_counter()
-            for batch in pack_stream(server, self.cfg.token_budget, self.spec.layer_ids):
+            for micro in _grouped(pack_stream(server, self.cfg.token_budget, self.spec.layer_ids),
+                                  self.cfg.grad_accum):
                 state.feature_wait_seconds += time.perf_counter() - waited
-                self._step(batch, state)
+                self._step(micro, state)
                 bar.update(1)
                 bar.set_postfix(loss=f"{state.last_loss:.3f}", tau=f"{self.window.tau_estimate:.2f}")
                 if state.step % self.cfg.log_every == 0:
@@ -127,29 +131,54 @@ class Trainer:
                           sorted(lost)[:10])
             state.samples_lost += len(lost)
 
-    def _step(self, batch: PackedBatch, state: TrainState) -> None:
+    def _step(self, micro: "PackedBatch | list[PackedBatch]", state: TrainState) -> None:
+        """One optimizer step over `trainer.grad_accum` packs (micro-batches): the mean of their losses, so
+        1 rank x N packs and N ranks x 1 pack (DDP averages) take the same step."""
         started = time.perf_counter()
-        batch = batch.to(self.dist.device, torch.float32)
+        micro = [micro] if isinstance(micro, PackedBatch) else micro
         self.optimizers.set_step(state.step)
-        with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
-            out = self.model(batch, self.head, self.generator)
-        out.loss.backward()
+        losses = []
+        for i, batch in enumerate(micro):
+            batch = batch.to(self.dist.device, torch.float32)
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last or not self.dist.enabled else self.model.no_sync()
+            with sync:  # DDP all-reduces gradients once, on the last micro-batch
+                with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype or torch.float32,
+                                    enabled=self.autocast_dtype is not None):
+                    out = self.model(batch, self.head, self.generator)
+                if not torch.isfinite(out.loss):
+                    self._stop_on_non_finite(batch, state, out.loss)
+                (out.loss / len(micro)).backward()
+            losses.append(float(out.loss.detach()))
+            self._count_batch(batch, state)
+            self.window.add(out)
+            self.totals.add(out)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.optimizers.step()
         self.optimizers.zero_grad()
         state.step += 1
+        state.last_loss = sum(losses) / len(losses)
+        state.train_seconds += time.perf_counter() - started
+
+    def _count_batch(self, batch: PackedBatch, state: TrainState) -> None:
         state.train_tokens += batch.num_tokens
         state.train_response_tokens += int(batch.loss_mask_T.sum())
         seen_twice = state.consumed_row_ids.intersection(batch.row_ids)
         if seen_twice or len(set(batch.row_ids)) != len(batch.row_ids):
-            log.error("step %d: rows %s reached the trainer twice this epoch", state.step, sorted(seen_twice)[:10])
+            log.error("step %d: rows %s reached the trainer twice this epoch", state.step + 1, sorted(seen_twice)[:10])
             state.samples_duplicated += len(seen_twice) + len(batch.row_ids) - len(set(batch.row_ids))
         state.consumed_row_ids.update(batch.row_ids)
-        state.last_loss = float(out.loss.detach())
-        self.window.add(out)
-        self.totals.add(out)
-        state.train_seconds += time.perf_counter() - started
+
+    def _stop_on_non_finite(self, batch: PackedBatch, state: TrainState, loss: torch.Tensor) -> None:
+        """Stop before the poisoned update reaches the weights or a checkpoint; name the step and the rows."""
+        finite_T = torch.isfinite(batch.hidden_TLD).flatten(1).all(-1)
+        bad_docs = batch.document_ids_T[~finite_T].unique().tolist()
+        bad_rows = [batch.row_ids[d] for d in bad_docs]
+        where = (f"non-finite target hidden states in rows {bad_rows}" if bad_rows else
+                 "the target's hidden states are finite, so the drafter diverged (lower trainer.lr / muon_lr?)")
+        raise FloatingPointError(f"step {state.step + 1}: loss is {float(loss.detach())} on rows {list(batch.row_ids)}; {where}. "
+                                 f"Nothing was written for this step; the last checkpoint is step "
+                                 f"{state.step // self.cfg.checkpoint_every * self.cfg.checkpoint_every}")
 
     # --- pieces ----------------------------------------------------------------------------------
     def _server(self, rows, skip=frozenset(), sharded: bool = True) -> FeatureServer:
@@ -176,7 +205,8 @@ class Trainer:
 
     def _log(self, state: TrainState) -> None:
         window = self.window.reduced(self.dist)
-        record = {"step": state.step, "loss": state.last_loss, **window.summary()}
+        loss = distributed.all_reduce_sum(torch.tensor([state.last_loss], device=self.dist.device), self.dist)
+        record = {"step": state.step, "loss": float(loss) / self.dist.world_size, **window.summary()}  # all ranks
         self.tracker.log(record)
         if self.dist.is_main:
             log.info("step %d loss %.4f acc@1 %.3f tau_est %.3f", state.step, state.last_loss,
@@ -185,6 +215,7 @@ class Trainer:
 
     def _finish(self, state: TrainState) -> dict:
         metrics = {}
+        state = self._summed_over_ranks(state)
         if self.dist.is_main:
             export_dir = self.run_dir / "export"
             self.drafter.export(export_dir, self.target)
@@ -227,6 +258,19 @@ class Trainer:
         distributed.close(self.dist)
         return metrics
 
+    _SUMMED = ("train_tokens", "train_response_tokens", "samples_duplicated", "samples_lost", "rows_reissued",
+               "duplicate_deliveries_dropped", "feature_workers_died", "feature_seconds", "feature_wait_seconds")
+
+    def _summed_over_ranks(self, state: TrainState) -> TrainState:
+        """Counters as the whole job's (every rank trains its own shard); the loss as the mean over ranks."""
+        if not self.dist.enabled:
+            return state
+        values = [float(getattr(state, name)) for name in self._SUMMED] + [state.last_loss]
+        total = distributed.all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=self.dist.device),
+                                           self.dist).tolist()
+        summed = {name: type(getattr(state, name))(v) for name, v in zip(self._SUMMED, total)}
+        return replace(state, **summed, last_loss=total[-1] / self.dist.world_size)
+
     def _evaluate(self):
         rows = self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows
         if not rows:
@@ -236,6 +280,18 @@ class Trainer:
         with self._server(rows, sharded=False) as server:  # streamed: counts do not depend on order
             return evaluate_report(self.drafter, self.head, server, self.spec.layer_ids, self.dist.device,
                                    torch.float32, stages=stages)
+
+
+def _grouped(packs, n: int):
+    """Lists of n consecutive packs (the last one of an epoch may be shorter)."""
+    group = []
+    for pack in packs:
+        group.append(pack)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, token_budget: int, spec,

@@ -1,0 +1,86 @@
+"""Soak run (not a test): `python bench/soak.py [--minutes 30] [--every 15]`.
+
+Runs `python -m launch.train` at tiny scale (tiny-llama, 2 feature workers, a shared-memory capacity of a few
+packs, so the workers spend most of their time blocked on backpressure) for a bounded time, sampling every
+--every seconds: the RSS of the trainer and of each feature worker, and the machine's shared memory in use
+(/proc/meminfo Shmem: the rings are unlinked once mapped, so they show there and not as files). Epochs repeat,
+so feature servers are started and stopped many times. Then it stops the run with SIGTERM (a clean shutdown)
+and checks that no file of the run is left in /dev/shm.
+
+Prints the curve (one line per sample), then last:
+  trainer_rss_growth_mb: X   last quarter's mean RSS - second quarter's (first quarter = warm-up)
+  worker_rss_growth_mb: X    the same for the workers' summed RSS
+  shm_growth_mb: X           the same for Shmem
+  leftover_shm_files: N
+"""
+
+import argparse
+import hashlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shmem_mb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def growth(values: list[float]) -> float:
+    q = max(1, len(values) // 4)
+    return statistics.mean(values[-q:]) - statistics.mean(values[q: 2 * q])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30)
+    parser.add_argument("--every", type=float, default=15)
+    parser.add_argument("--cache-dir", default=str(REPO / ".cache/specdistill"))
+    args = parser.parse_args()
+    run_dir = Path(tempfile.mkdtemp(prefix="soak-")) / "run"
+    cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", "drafter=dflash", "drafter.num_layers=1",
+           "data.rows=48", "data.heldout_rows=4", "data.prompt_tokens=100", "data.max_new_tokens=16",
+           "trainer.token_budget=256", "trainer.max_steps=100000000", "trainer.checkpoint_every=200",
+           "trainer.log_every=50", "trainer.progress=false", "feature_server.workers=2",
+           "feature_server.capacity_mb=2", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "SPECDISTILL_CACHE": args.cache_dir, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    trainer = psutil.Process(proc.pid)
+    rows, t0 = [], time.monotonic()
+    print("t_s  trainer_rss_mb  workers  worker_rss_mb  shmem_mb  steps")
+    try:
+        while time.monotonic() - t0 < args.minutes * 60:
+            time.sleep(args.every)
+            if proc.poll() is not None:
+                raise SystemExit(f"the run died (exit {proc.returncode}):\n{proc.stderr.read()[-3000:]}")
+            workers = [c for c in trainer.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+            worker_rss = sum(w.memory_info().rss for w in workers) / 2**20
+            log = run_dir / "train_log.jsonl"
+            steps = log.read_text().count("\n") * 50 if log.is_file() else 0
+            rows.append((time.monotonic() - t0, trainer.memory_info().rss / 2**20, len(workers), worker_rss,
+                         shmem_mb(), steps))
+            print("%5.0f  %14.1f  %7d  %13.1f  %8.1f  %5d" % rows[-1], flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(f"specdistill_{key}_")]
+    print(f"trainer_rss_growth_mb: {growth([r[1] for r in rows]):.1f}")
+    print(f"worker_rss_growth_mb: {growth([r[3] for r in rows if r[2] == 2] or [0.0]):.1f}")
+    print(f"shm_growth_mb: {growth([r[4] for r in rows]):.1f}")
+    print(f"leftover_shm_files: {len(leftovers)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Bad input never becomes a wrong drafter: each kind gets a clear error naming what and where.
+
+Covered elsewhere (kind -> test): malformed JSON, missing fields, wrong field types -> feature_server/test_dataset.py
+::test_bad_rows_name_file_line_and_field; empty responses and prompts longer than the context -> counted skips,
+::test_empty_and_too_long_rows_are_counted_skips; token ids >= vocab -> ::test_token_id_outside_vocab_names_the_row;
+target/drafter vocab mismatch -> ::test_check_tokenizer_matches; layer ids out of range ->
+feature_server/test_vllm_backend.py::test_out_of_range_layer_ids_raise_before_engine_start; config override of the
+wrong type / unknown key -> test_config.py. Here: broken checkpoints, NaN/Inf hidden states, pickles.
+"""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from feature_server.config import FeatureServerConfig
+from launch.config import DataConfig
+from launch.prepare import resolve_data
+from drafters import DRAFTERS
+from trainer.batch import pack
+from trainer.checkpoint import TrainState, checkpoint_dir, latest_checkpoint, load_checkpoint
+from trainer.config import TrainerConfig
+from trainer.target import TargetHead, TargetInfo
+from trainer.trainer import Trainer
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_checkpoint_with_a_missing_tensor_names_it(tiny_llama_dir, tmp_path):
+    target = _copy(tiny_llama_dir, tmp_path / "t")
+    weights = load_file(str(target / "model.safetensors"))
+    del weights["model.norm.weight"]
+    save_file(weights, str(target / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"none of \['model.norm.weight'.*found in the checkpoint"):
+        TargetHead(TargetInfo.load(target))
+
+
+def test_corrupt_safetensors_file_names_the_file(tiny_llama_dir, tmp_path):
+    target = _copy(tiny_llama_dir, tmp_path / "t")
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[: len(data) // 3])  # a truncated download
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
+        TargetHead(TargetInfo.load(target))
+    (target / "model.safetensors").write_bytes(b"\xff" * 64)  # not safetensors at all
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
+        TargetHead(TargetInfo.load(target))
+
+
+class _Payload:
+    """Anything a pickle could smuggle in; weights_only refuses to build it."""
+
+
+def test_checkpoints_load_weights_only(tmp_path):
+    path = tmp_path / "step_00000001.pt"
+    torch.save({"state": {}, "drafter": {}, "evil": _Payload()}, path)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        load_checkpoint(path, None, None, None, {})
+
+
+@pytest.fixture(scope="module")
+def small_trainer(tiny_target, cache_dir, tmp_path_factory):
+    target = tiny_target("tiny-llama")
+    train, heldout = resolve_data(DataConfig(rows=6, heldout_rows=2, prompt_tokens=60, max_new_tokens=8), target,
+                                  cache_dir)
+    drafter_cfg = DRAFTERS["dflash"][0](num_layers=1, max_anchors=32)
+    trainer_cfg = TrainerConfig(max_steps=4, ranks=1, device="cpu", token_budget=512, progress=False,
+                                checkpoint_every=1)
+    run_dir = tmp_path_factory.mktemp("nan-run")
+    return Trainer(drafter_cfg, trainer_cfg, FeatureServerConfig(workers=1), run_dir, target, train, heldout)
+
+
+def _batch(trainer):
+    with trainer._server(trainer.rows[:2]) as server:
+        samples = [s for s in server]
+    return pack([type(s)(s.row_id, s.input_ids_T.clone(), s.loss_mask_T.clone(), s.hidden_TLD.clone())
+                 for s in samples], trainer.spec.layer_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_hidden_states_stop_the_step_naming_step_and_row(small_trainer, poison):
+    batch = _batch(small_trainer)
+    second_row = batch.row_ids[1]
+    start = int((batch.document_ids_T == 1).nonzero()[0])
+    batch.hidden_TLD[start + 2, 0, 5] = poison
+    before = {k: v.clone() for k, v in small_trainer.drafter.state_dict().items()}
+    state = TrainState(step=3)
+    with pytest.raises(FloatingPointError, match=rf"step 4: loss is (nan|inf) on rows .*non-finite target hidden "
+                                                 rf"states in rows \[{second_row}\]"):
+        small_trainer._step(batch, state)
+    after = small_trainer.drafter.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the poisoned update never happened
+    assert state.step == 3 and latest_checkpoint(small_trainer.run_dir) is None
+    assert not checkpoint_dir(small_trainer.run_dir).exists()
