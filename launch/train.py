@@ -27,6 +27,7 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> dict:
+    os.umask(0o077)  # checkpoints, exports, logs and shared memory of a run are private to its user
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     cache_dir = Path(cfg.cache_dir).expanduser()
     # Built (or found in the cache) before any rank starts, so ranks never race to build them.

@@ -58,8 +58,8 @@ def save_checkpoint(run_dir: Path, state: TrainState, drafter, optimizers, gener
     }
     torch.save(payload, tmp)
     os.replace(tmp, path)
-    for old in sorted(directory.glob("step_*.pt"))[:-keep]:
-        old.unlink()
+    for old in sorted(directory.glob("step_*.pt"))[:-keep] + list(directory.glob("step_*.pt.tmp")):
+        old.unlink()  # older checkpoints, and what a crash in the middle of an earlier save left
     return path
 
 
