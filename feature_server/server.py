@@ -472,6 +472,10 @@ def _worker_main(args: _WorkerArgs, channel: ShmProducer) -> None:
         channel.send("done", info={"blocked_s": channel.blocked_seconds})
     except _Terminated:
         channel.abandon()  # the trainer is shutting down: report nothing, wait for nothing
+        # SIGTERM comes from the trainer's close() (which sweeps too, after joining us) or from the trainer's
+        # death (PR_SET_PDEATHSIG; getppid() may still name it at this instant): either way the channel is done,
+        # and after a kill -9 of the trainer nobody else is left to remove our files.
+        sweep_segments(channel.prefix)
         sys.exit(128 + signal.SIGTERM)
     except BaseException as e:
         channel.send("error", key=batch[0].row_id if batch else None,
@@ -482,8 +486,6 @@ def _worker_main(args: _WorkerArgs, channel: ShmProducer) -> None:
     finally:
         if backend is not None:
             backend.close()
-        if os.getppid() != args.parent_pid:  # the trainer is gone (kill -9): nobody else will sweep its files
-            sweep_segments(channel.prefix)
     channel.close()  # flush the control queue before the process exits
 
 
