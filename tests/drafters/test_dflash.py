@@ -9,6 +9,7 @@ from drafters.dflash import DFlashConfig, DFlashDrafter, dpace_weights, spread_l
 from kernels.attention import anchor_block_mask
 from trainer.batch import PackedBatch
 from trainer.target import TargetHead, TargetInfo
+from tests.drafters.learnable import make_learnable, train_losses
 
 
 def make_batch(info: TargetInfo, layer_ids, lengths=(20, 14), prompt=(8, 6), seed=0) -> PackedBatch:
@@ -81,21 +82,8 @@ def test_training_step_learns(tiny_llama_dir):
     # Uniform weights: D-PACE weights grow as the drafter improves, so its loss is no progress measure.
     drafter = DFlashDrafter(small_cfg(loss_weighting="uniform"), info, mask_token_id=3)
     batch = make_batch(info, drafter.feature_spec().layer_ids)
-    ids = [5]
-    for _ in range(batch.num_tokens - 1):
-        ids.append((ids[-1] * 7 + 3) % info.vocab_size)
-    batch.input_ids_T = torch.tensor(ids)
-    table = torch.randn(info.vocab_size, info.hidden_size, generator=torch.Generator().manual_seed(3))
-    batch.hidden_TLD = table[batch.input_ids_T][:, None].expand_as(batch.hidden_TLD).contiguous()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(40):
-        out = drafter.training_step(batch, head, g)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(out.loss))
+    make_learnable(batch, info)
+    losses, out = train_losses(drafter, batch, head, 40)
     assert losses[-1] < 0.3 * losses[0], losses
     assert out.correct_K.sum() > 0.5 * out.total_K.sum()
 

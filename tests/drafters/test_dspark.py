@@ -9,6 +9,7 @@ import torch
 from drafters.dspark import DSparkConfig, DSparkDrafter
 from tests.drafters.test_dflash import make_batch
 from trainer.target import TargetHead, TargetInfo
+from tests.drafters.learnable import make_learnable, train_losses
 
 
 def small_cfg(**kw) -> DSparkConfig:
@@ -62,21 +63,8 @@ def test_training_step_learns(tiny_llama_dir):
     head.lm_head.weight.data *= 30  # HF's std-0.02 init gives near-flat logits a trained target never has
     drafter = DSparkDrafter(small_cfg(), info, mask_token_id=3)
     batch = make_batch(info, drafter.feature_spec().layer_ids)
-    ids = [5]
-    for _ in range(batch.num_tokens - 1):
-        ids.append((ids[-1] * 7 + 3) % info.vocab_size)
-    batch.input_ids_T = torch.tensor(ids)
-    table = torch.randn(info.vocab_size, info.hidden_size, generator=torch.Generator().manual_seed(3))
-    batch.hidden_TLD = table[batch.input_ids_T][:, None].expand_as(batch.hidden_TLD).contiguous()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(40):
-        out = drafter.training_step(batch, head, g)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(out.loss))
+    make_learnable(batch, info)
+    losses, out = train_losses(drafter, batch, head, 40)
     assert losses[-1] < 0.3 * losses[0], losses
     assert out.correct_K.sum() > 0.5 * out.total_K.sum()
     assert out.extra["confidence_abs_error"] < 0.3  # the confidence head tracks 1 - TV

@@ -11,6 +11,7 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter, build_draft_vocab, defa
 from feature_server.contract import TokenizedRow
 from trainer.batch import PackedBatch
 from trainer.target import TargetHead, TargetInfo
+from tests.drafters.learnable import make_learnable, train_losses
 
 
 def make_batch(info: TargetInfo, layer_ids, lengths=(20, 14), prompt=(8, 6), seed=0) -> PackedBatch:
@@ -60,21 +61,8 @@ def test_training_step_learns(tiny_llama_dir):
     head.lm_head.weight.data *= 30  # HF's std-0.02 init gives near-flat logits a trained target never has
     drafter = Eagle3Drafter(Eagle3Config(target_layer_ids=[1, 2, 3], train_lm_head=True), info)
     batch = make_batch(info, drafter.feature_spec().layer_ids)
-    ids = [5]
-    for _ in range(batch.num_tokens - 1):
-        ids.append((ids[-1] * 7 + 3) % info.vocab_size)
-    batch.input_ids_T = torch.tensor(ids)
-    table = torch.randn(info.vocab_size, info.hidden_size, generator=torch.Generator().manual_seed(3))
-    batch.hidden_TLD = table[batch.input_ids_T][:, None].expand_as(batch.hidden_TLD).contiguous()
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(40):
-        out = drafter.training_step(batch, head, g)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(out.loss))
+    make_learnable(batch, info)
+    losses, out = train_losses(drafter, batch, head, 40)
     assert losses[-1] < 0.3 * losses[0], losses
     assert out.total_K[:3].min() > 0 and out.total_K[3:].sum() == 0  # 3 TTT steps scored, padded to K=7
     assert out.correct_K.sum() > 0.5 * out.total_K.sum()

@@ -22,6 +22,7 @@ from kernels.logits import ce_reference
 from kernels.moe import fuse_expert_weights
 from trainer.batch import PackedBatch
 from trainer.target import RMSNorm, TargetHead, TargetInfo
+from tests.drafters.learnable import make_learnable, train_losses
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5-moe"]
 
@@ -241,21 +242,8 @@ def test_training_step_learns(random_target):
     head = sharpened(TargetHead(info))
     drafter = MTPDrafter(MTPConfig(), info)
     batch = make_batch(info)
-    ids = [5]
-    for _ in range(batch.num_tokens - 1):
-        ids.append((ids[-1] * 7 + 3) % info.vocab_size)
-    batch.input_ids_T = torch.tensor(ids)
-    table = torch.randn(info.vocab_size, info.hidden_size, generator=torch.Generator().manual_seed(3))
-    batch.hidden_TLD = table[batch.input_ids_T][:, None].contiguous()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(30):
-        out = drafter.training_step(batch, head, g)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(out.loss.detach()))
+    make_learnable(batch, info)
+    losses, out = train_losses(drafter, batch, head, 30)
     assert losses[-1] < 0.3 * losses[0], losses
     assert out.correct_K.sum() > 0.5 * out.total_K.sum()
 
