@@ -3,14 +3,21 @@
 Runs `python -m launch.train` at tiny scale (tiny-llama, 2 feature workers, a shared-memory capacity of a few
 packs, so the workers spend most of their time blocked on backpressure) for a bounded time, sampling every
 --every seconds: the RSS of the trainer and of each feature worker, and the machine's shared memory in use
-(/proc/meminfo Shmem: the rings are unlinked once mapped, so they show there and not as files). Epochs repeat,
-so feature servers are started and stopped many times. Then it stops the run with SIGTERM (a clean shutdown)
-and checks that no file of the run is left in /dev/shm.
+(/proc/meminfo Shmem: the rings are unlinked once mapped, so they show there and not as files) and the shared
+memory this run's processes have mapped (their /proc/PID/maps entries of the run's /dev/shm names, which other
+jobs on the machine do not move). Epochs repeat, so feature servers, and their workers, are started and stopped
+many times: a worker's RSS climbs from start-up to its working size and then the worker ends, so the samples
+of the summed worker RSS oscillate. What can leak across lifetimes is each worker's peak, so that is tracked
+per worker process. Then it stops the run with SIGTERM (a clean shutdown) and checks that no file of the run
+is left in /dev/shm.
 
-Prints the curve (one line per sample), then last:
-  trainer_rss_growth_mb: X   last quarter's mean RSS - second quarter's (first quarter = warm-up)
-  worker_rss_growth_mb: X    the same for the workers' summed RSS
-  shm_growth_mb: X           the same for Shmem
+Prints the curve (one line per sample), then last ("growth" = the last quarter's mean minus the second
+quarter's; the first quarter is warm-up):
+  trainer_rss_growth_mb: X
+  worker_peak_rss_growth_mb: X   over workers ordered by start time, each counted at its peak RSS (VmHWM)
+  worker_lifetimes: N
+  run_shm_growth_mb: X           shared memory mapped by the run's processes
+  shm_growth_mb: X               the machine's Shmem
   leftover_shm_files: N
 """
 
@@ -37,6 +44,32 @@ def shmem_mb() -> float:
     return float("nan")
 
 
+def peak_rss_mb(pid: int) -> float:
+    """The kernel's high-water mark of the process's RSS (VmHWM): its peak, however sparse the sampling."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise OSError(f"no VmHWM for pid {pid}")
+
+
+def run_shm_mb(procs, marker: str) -> float:
+    """Shared memory mapped by `procs` from files whose name holds `marker`, each file counted once."""
+    sizes: dict[str, int] = {}
+    for proc in procs:
+        try:
+            lines = Path(f"/proc/{proc.pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if marker not in line:
+                continue
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            inode = fields[4]
+            sizes[inode] = max(sizes.get(inode, 0), end - start)
+    return sum(sizes.values()) / 2**20
+
+
 def growth(values: list[float]) -> float:
     q = max(1, len(values) // 4)
     return statistics.mean(values[-q:]) - statistics.mean(values[q: 2 * q])
@@ -51,34 +84,47 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="soak-")) / "run"
     cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", "drafter=dflash", "drafter.num_layers=1",
            "data.rows=48", "data.heldout_rows=4", "data.prompt_tokens=100", "data.max_new_tokens=16",
-           "trainer.token_budget=256", "trainer.max_steps=100000000", "trainer.checkpoint_every=200",
+           "trainer.token_budget=256", "trainer.max_steps=100000000", "trainer.max_epochs=100000000",
+           "trainer.checkpoint_every=200",
            "trainer.log_every=50", "trainer.progress=false", "feature_server.workers=2",
            "feature_server.capacity_mb=2", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "SPECDISTILL_CACHE": args.cache_dir, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     trainer = psutil.Process(proc.pid)
-    rows, t0 = [], time.monotonic()
-    print("t_s  trainer_rss_mb  workers  worker_rss_mb  shmem_mb  steps")
+    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    marker = f"/dev/shm/specdistill_{key}_"
+    rows, peaks, t0 = [], {}, time.monotonic()  # peaks: worker pid -> [first seen, peak RSS MB]
+    print("t_s  trainer_rss_mb  workers  worker_rss_mb  run_shm_mb  shmem_mb  steps")
     try:
         while time.monotonic() - t0 < args.minutes * 60:
             time.sleep(args.every)
             if proc.poll() is not None:
                 raise SystemExit(f"the run died (exit {proc.returncode}):\n{proc.stderr.read()[-3000:]}")
             workers = [c for c in trainer.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
-            worker_rss = sum(w.memory_info().rss for w in workers) / 2**20
+            now, worker_rss = time.monotonic() - t0, 0.0
+            for w in workers:
+                try:
+                    rss, peak = w.memory_info().rss / 2**20, peak_rss_mb(w.pid)
+                except (psutil.Error, OSError):
+                    continue
+                worker_rss += rss
+                seen = peaks.setdefault(w.pid, [now, 0.0])
+                seen[1] = max(seen[1], peak)
             log = run_dir / "train_log.jsonl"
             steps = log.read_text().count("\n") * 50 if log.is_file() else 0
-            rows.append((time.monotonic() - t0, trainer.memory_info().rss / 2**20, len(workers), worker_rss,
-                         shmem_mb(), steps))
-            print("%5.0f  %14.1f  %7d  %13.1f  %8.1f  %5d" % rows[-1], flush=True)
+            rows.append((now, trainer.memory_info().rss / 2**20, len(workers), worker_rss,
+                         run_shm_mb([trainer, *workers], marker), shmem_mb(), steps))
+            print("%5.0f  %14.1f  %7d  %13.1f  %10.1f  %8.1f  %5d" % rows[-1], flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
-    key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(f"specdistill_{key}_")]
+    lifetimes = [peak for _, peak in sorted(peaks.values())[:-2]]  # the last two were cut off by the stop
     print(f"trainer_rss_growth_mb: {growth([r[1] for r in rows]):.1f}")
-    print(f"worker_rss_growth_mb: {growth([r[3] for r in rows if r[2] == 2] or [0.0]):.1f}")
-    print(f"shm_growth_mb: {growth([r[4] for r in rows]):.1f}")
+    print(f"worker_peak_rss_growth_mb: {growth(lifetimes or [0.0]):.1f}")
+    print(f"worker_lifetimes: {len(lifetimes)}")
+    print(f"run_shm_growth_mb: {growth([r[4] for r in rows]):.1f}")
+    print(f"shm_growth_mb: {growth([r[5] for r in rows]):.1f}")
     print(f"leftover_shm_files: {len(leftovers)}")
 
 

@@ -18,11 +18,9 @@ reads its checkpoints on resume); Ray's --working-dir is a per-node temporary co
 """
 
 import argparse
-import datetime
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,11 +34,22 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launch.config import register_configs
+from launch.ranks import Store, die_with_parent, torchrun_env
 from trainer.layout import plan_node
 
 log = logging.getLogger("specdistill.ray_job")
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 _POLL_S = 2.0
+_ACTOR_TIMEOUT_S = 300.0  # starting an actor or a call on it; a stuck cluster fails the job instead of hanging it
+
+
+def _get(refs, what: str, timeout_s: float = _ACTOR_TIMEOUT_S):
+    """ray.get with a deadline that names what was awaited."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"Ray did not answer within {timeout_s:.0f} s while {what}; see `ray status` and this "
+                           "job's logs (a worker that cannot start, or a node that went away)") from None
 
 
 @dataclass(frozen=True)
@@ -76,15 +85,6 @@ class NodeBundles:
             [dict(self.worker_bundle) for _ in range(self.workers)]
 
 
-def torchrun_env(rank: int, local_rank: int, node_rank: int, nodes: int, layout: NodeBundles, master: tuple,
-                 run_id: str) -> dict:
-    """The variables torchrun sets for a worker (trainer/distributed.py reads RANK, WORLD_SIZE, LOCAL_RANK)."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(nodes * layout.ranks),
-            "LOCAL_WORLD_SIZE": str(layout.ranks), "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(nodes),
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nodes * layout.ranks), "MASTER_ADDR": master[0],
-            "MASTER_PORT": str(master[1]), "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": run_id}
-
-
 def visible_devices(bundle_gpus: list[list[str]], layout: NodeBundles) -> str:
     """All of the node's reserved GPUs in bundle order, the order trainer/layout.py numbers them in: cuda:LOCAL_RANK
     is the rank's own GPU, worker i of local rank r gets cuda:(ranks + r * workers_per_rank + i)."""
@@ -112,23 +112,16 @@ class TrainerRank:
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
-        self.store = self._sock = None
+        self.store: Store | None = None
 
     def host_store(self, world_size: int) -> tuple[str, int]:
-        import torch.distributed as dist
-
-        ip = ray.util.get_node_ip_address()
-        # Bind the address ourselves: TCPStore alone would listen on every interface.
-        self._sock = socket.create_server((ip, 0))
-        port = self._sock.getsockname()[1]
-        self.store = dist.TCPStore(ip, port, world_size, is_master=True, wait_for_workers=False,
-                                   master_listen_fd=self._sock.fileno(), timeout=datetime.timedelta(minutes=30))
-        return ip, port
+        self.store = Store(ray.util.get_node_ip_address(), world_size)  # this node's address only
+        return self.store.address
 
     def start(self, env: dict, args: list[str]) -> int:
         cmd = [sys.executable, "-m", "launch.train", *args]
         # PR_SET_PDEATHSIG: the training process dies with this actor (ray.kill, node loss) instead of lingering.
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, preexec_fn=die_with_parent)
         return self.proc.pid
 
     def poll(self) -> int | None:
@@ -142,12 +135,6 @@ class TrainerRank:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.poll() if self.proc else None
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def compose_run(overrides: list[str]) -> DictConfig:
@@ -215,7 +202,7 @@ def probe(pg: PlacementGroup, node: Node, layout: NodeBundles) -> list[list[str]
     """GPU ids of every bundle (a bundle keeps its devices for its lifetime), checking each sits on `node`."""
     refs = [_bundle_info.options(num_cpus=0, num_gpus=b.get("GPU", 0), scheduling_strategy=place(pg, i)).remote()
             for i, b in enumerate(layout.bundles())]
-    infos = ray.get(refs)
+    infos = _get(refs, f"probing the placement group on node {node.ip} ({node.node_id[:8]})")
     strays = [(i, node_id[:8]) for i, (node_id, _) in enumerate(infos) if node_id != node.node_id]
     if strays:
         raise RuntimeError(f"placement group for node {node.node_id[:8]} has bundles elsewhere: {strays}")
@@ -233,13 +220,10 @@ def launch(nodes: list[Node], pgs: list[PlacementGroup], layout: NodeBundles, ar
                                         scheduling_strategy=place(pg, local_rank)).remote()
             ranks.append(actor)
             envs.append((node_rank, local_rank, {"CUDA_VISIBLE_DEVICES": devices}))
-    master = ray.get(ranks[0].host_store.remote(len(ranks)))
-    loopback = master[0].startswith("127.")
+    master = _get(ranks[0].host_store.remote(len(ranks)), "starting rank 0's actor (it hosts the rendezvous store)")
     for rank, (actor, (node_rank, local_rank, env)) in enumerate(zip(ranks, envs)):
-        env.update(torchrun_env(rank, local_rank, node_rank, len(nodes), layout, master, run_id))
-        if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-            env["GLOO_SOCKET_IFNAME"] = "lo"  # a loopback-only cluster: gloo would bind the hostname's address
-        pid = ray.get(actor.start.remote(env, args))
+        env.update(torchrun_env(rank, local_rank, node_rank, len(nodes), layout.ranks, master, run_id))
+        pid = _get(actor.start.remote(env, args), f"starting trainer rank {rank}")
         node = nodes[node_rank]
         log.info("rank %d/%s: node %d (%s, id %s) local rank %d, pid %d", rank, env["WORLD_SIZE"], node_rank,
                  node.ip, node.node_id[:8], local_rank, pid)
@@ -252,10 +236,10 @@ def wait(ranks: list) -> list[int]:
     codes: list[int | None] = [None] * len(ranks)
     while any(c is None for c in codes):
         time.sleep(_POLL_S)
-        for i, c in enumerate(ray.get([r.poll.remote() for r in ranks])):
+        for i, c in enumerate(_get([r.poll.remote() for r in ranks], "polling the trainer ranks")):
             codes[i] = c
         if any(c not in (None, 0) for c in codes):
-            codes = ray.get([r.stop.remote() for r in ranks])
+            codes = _get([r.stop.remote() for r in ranks], "stopping the trainer ranks")
             break
     return codes
 

@@ -8,8 +8,6 @@ resumes from its last checkpoint.
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import hydra
@@ -18,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.config import register_configs
 from launch.prepare import resolve_data, resolve_target
+from launch.ranks import launch_local
 from trainer.run_info import write_run_info
 from trainer.trainer import Trainer
 
@@ -34,7 +33,7 @@ def main(cfg: DictConfig) -> dict:
     target_dir = resolve_target(OmegaConf.to_object(cfg.target), cache_dir)
     train_path, heldout_path = resolve_data(OmegaConf.to_object(cfg.data), target_dir, cache_dir)
     if cfg.trainer.ranks > 1 and "LOCAL_RANK" not in os.environ:
-        return _relaunch_under_torchrun(cfg.trainer.ranks, run_dir)
+        return _relaunch_as_ranks(cfg.trainer.ranks, run_dir)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     write_run_info(run_dir, resolved)
     trainer = Trainer(
@@ -55,16 +54,15 @@ def main(cfg: DictConfig) -> dict:
     return metrics
 
 
-def _relaunch_under_torchrun(ranks: int, run_dir: Path) -> dict:
-    """trainer.ranks > 1 from a plain `python -m launch.train`: start the ranks with torchrun on this node, with
-    the run dir fixed so that every rank (and a later resume) writes to the same place."""
+def _relaunch_as_ranks(ranks: int, run_dir: Path) -> dict:
+    """trainer.ranks > 1 from a plain `python -m launch.train`: start the ranks on this node with torchrun's
+    environment (launch/ranks.py; rendezvous on 127.0.0.1 only), with the run dir fixed so that every rank
+    (and a later resume) writes to the same place."""
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "launch.train", *overrides, f"hydra.run.dir={run_dir}"]
-    log.info("trainer.ranks=%d: %s", ranks, " ".join(cmd))
-    proc = subprocess.run(cmd)
-    if proc.returncode:
-        raise SystemExit(f"torchrun with {ranks} ranks failed (exit code {proc.returncode}); see the log above")
+    code = launch_local(ranks, [*overrides, f"hydra.run.dir={run_dir}"])
+    if code:
+        raise SystemExit(f"{ranks} trainer ranks: a rank failed (exit code {code}); see the log above. The run "
+                         f"resumes from its last checkpoint in {run_dir} when started again")
     metrics_file = run_dir / "metrics.json"
     return json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
 

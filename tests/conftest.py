@@ -1,7 +1,58 @@
-"""Session-wide fixtures: tiny checkpoints built once per test session, never downloaded."""
+"""Session-wide fixtures: tiny checkpoints built once per test session, never downloaded; and a guard that no
+test module leaves a process running."""
+
+import os
+import time
+import uuid
+import warnings
 
 import pytest
 import torch
+
+# Inherited by every process a test starts (subprocesses, vLLM engines, feature workers, Ray's raylet and its
+# workers), so the guard below finds exactly this session's processes and no one else's.
+SESSION_MARK = "SPECDISTILL_TEST_SESSION"
+os.environ.setdefault(SESSION_MARK, uuid.uuid4().hex)
+
+
+def _session_processes(since: float) -> list:
+    import psutil
+
+    mine, found = os.environ[SESSION_MARK], []
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        if proc.pid == os.getpid() or proc.info["create_time"] < since:
+            continue
+        try:
+            session_helper = proc.ppid() == os.getpid() and any(  # multiprocessing's, reused all session
+                m in " ".join(proc.cmdline()) for m in ("resource_tracker", "forkserver"))
+            if not session_helper and proc.environ().get(SESSION_MARK) == mine:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_left_behind():
+    """Every process a test module starts ends with it. A leftover busy process once starved a later test in CI
+    (Ray runs its workers at nice 15) into a 900 s timeout. Leftovers get 15 s to exit, then are killed and
+    named in a warning (the end-of-run summary lists them)."""
+    import psutil
+
+    started = time.time()
+    yield
+    deadline = time.monotonic() + 15
+    while (left := _session_processes(started)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    names = []
+    for proc in left:
+        try:
+            names.append(f"{proc.pid}: {' '.join(proc.cmdline())[:160]}")
+            proc.kill()
+        except psutil.Error:
+            continue
+    if names:
+        warnings.warn(f"{len(names)} process(es) outlived their test module and were killed: {names}")
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,7 @@ def test_checkpoints_load_weights_only(tmp_path):
     path = tmp_path / "step_00000001.pt"
     torch.save({"state": {}, "drafter": {}, "evil": _Payload()}, path)
     with pytest.raises(Exception, match="Weights only load failed"):
-        load_checkpoint(path, None, None, None, {})
+        load_checkpoint(path, {})
 
 
 @pytest.fixture(scope="module")

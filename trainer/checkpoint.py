@@ -44,18 +44,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(run_dir: Path, state: TrainState, drafter, optimizers, generator, meta: dict, keep: int) -> Path:
+def rank_entry(state: TrainState, generator: torch.Generator) -> dict:
+    """What one rank contributes to a checkpoint: its data position, counters and sampling RNG."""
+    return {"state": {**asdict(state), "consumed_row_ids": sorted(state.consumed_row_ids)},
+            "generator": generator.get_state()}
+
+
+def save_checkpoint(run_dir: Path, step: int, ranks: list[dict], drafter_state: dict, optimizer_state: dict,
+                    meta: dict, keep: int) -> Path:
+    """Rank 0 writes one file: the full drafter and optimizer states (trainer/parallel.py) and every rank's
+    entry (rank_entry), since each rank trains its own shard of the rows."""
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{state.step:08d}.pt"
+    path = directory / f"step_{step:08d}.pt"
     tmp = path.with_suffix(".pt.tmp")
-    payload = {
-        "state": {**asdict(state), "consumed_row_ids": sorted(state.consumed_row_ids)},
-        "drafter": drafter.state_dict(),
-        "optimizers": optimizers.state_dict(),
-        "generator": generator.get_state(),
-        "meta": meta,
-    }
+    payload = {"ranks": ranks, "drafter": drafter_state, "optimizers": optimizer_state, "meta": meta}
     torch.save(payload, tmp)
     os.replace(tmp, path)
     for old in sorted(directory.glob("step_*.pt"))[:-keep] + list(directory.glob("step_*.pt.tmp")):
@@ -63,7 +66,40 @@ def save_checkpoint(run_dir: Path, state: TrainState, drafter, optimizers, gener
     return path
 
 
-def load_checkpoint(path: Path, drafter, optimizers, generator, meta: dict) -> TrainState:
+@dataclass
+class Checkpoint:
+    path: Path
+    drafter: dict
+    optimizers: dict
+    ranks: list[dict]
+
+    def rank_state(self, rank: int, world_size: int) -> tuple[TrainState, torch.Tensor | None]:
+        """This rank's TrainState and RNG state. Saved by as many ranks as now run: each takes its own back (a
+        bit-exact resume). Saved by another number of ranks: every rank skips the rows any rank had trained on
+        this epoch (each only sees its own shard of them), rank 0 carries the summed counters, and the RNG
+        starts fresh."""
+        if len(self.ranks) == world_size:
+            entry = self.ranks[rank]
+            raw = entry["state"]
+            return TrainState(**{**raw, "consumed_row_ids": set(raw["consumed_row_ids"])}), entry["generator"]
+        states = [entry["state"] for entry in self.ranks]
+        consumed = set().union(*(s["consumed_row_ids"] for s in states))
+        first = states[0]
+        counters = {k: sum(s[k] for s in states) if rank == 0 else type(first[k])(0) for k in _COUNTERS}
+        log.warning("%s was written by %d trainer rank(s), this run has %d: resuming the epoch with the %d rows "
+                    "already trained skipped; sampling RNG restarts", self.path, len(self.ranks), world_size,
+                    len(consumed))
+        state = TrainState(step=first["step"], epoch=first["epoch"], consumed_row_ids=consumed,
+                           last_loss=first["last_loss"], **counters)
+        return state, None
+
+
+_COUNTERS = ("train_tokens", "train_response_tokens", "train_seconds", "feature_seconds", "feature_wait_seconds",
+             "samples_duplicated", "samples_lost", "rows_reissued", "duplicate_deliveries_dropped",
+             "feature_workers_died")
+
+
+def load_checkpoint(path: Path, meta: dict) -> Checkpoint:
     # weights_only: tensors and plain containers only - a checkpoint can never run code on load.
     payload = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("drafter", "target_layer_ids", "model_type"):
@@ -72,11 +108,7 @@ def load_checkpoint(path: Path, drafter, optimizers, generator, meta: dict) -> T
                 f"{path}: checkpoint was written with {key}={payload['meta'].get(key)!r}, this run has "
                 f"{meta.get(key)!r}; use a new hydra.run.dir for a different setup"
             )
-    drafter.load_state_dict(payload["drafter"])
-    optimizers.load_state_dict(payload["optimizers"])
-    generator.set_state(payload["generator"])
-    raw = payload["state"]
-    state = TrainState(**{**raw, "consumed_row_ids": set(raw["consumed_row_ids"])})
-    log.info("resumed from %s at step %d (epoch %d, %d rows consumed)", path, state.step, state.epoch,
-             len(state.consumed_row_ids))
-    return state
+    if "ranks" not in payload:
+        raise ValueError(f"{path}: a checkpoint from an older specdistill (no per-rank entries); start a new "
+                         "hydra.run.dir")
+    return Checkpoint(path, payload["drafter"], payload["optimizers"], payload["ranks"])

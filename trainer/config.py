@@ -18,6 +18,8 @@ class TrainerConfig:
     precision: str = "auto"  # auto | fp32 | bf16 (bf16 autocast over fp32 master weights)
     device: str = "auto"  # auto | cpu | cuda
     ranks: int = 2  # trainer processes per node (torchrun --nproc-per-node); launch.train starts them
+    parallel: str = "ddp"  # ddp (replicated weights) | fsdp (FSDP2: weights, grads, optimizer states sharded)
+    collective_timeout_s: int = 1800  # a rank stuck this long in a collective fails (naming it) instead of hanging
     seed: int = 0
     checkpoint_every: int = 50
     keep_checkpoints: int = 2

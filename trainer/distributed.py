@@ -1,8 +1,10 @@
 """Process-group setup for torchrun (and Ray train workers, which set the same env variables).
 
-Drafters stay single-device; the trainer wraps them in DDP here. nccl on CUDA, gloo on CPU.
+Drafters stay single-device modules; trainer/parallel.py spreads them over the ranks (DDP or FSDP2). nccl on
+CUDA, gloo on CPU.
 """
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -37,13 +39,17 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return torch.device(name)
 
 
-def init_distributed(device_name: str) -> DistContext:
+def init_distributed(device_name: str, timeout_s: float = 1800) -> DistContext:
+    """torchrun's env -> one process group. `timeout_s` bounds every collective: a rank whose peer died or
+    diverged raises after it instead of hanging, so the launcher (launch/ranks.py, torchrun, launch.ray_job)
+    stops the job."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_name, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return DistContext(rank, world_size, local_rank, device)
 
 
@@ -51,6 +57,24 @@ def all_reduce_sum(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if ctx.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_ranks(flag: bool, ctx: DistContext) -> bool:
+    """True when `flag` is true on every rank (one tiny all-reduce)."""
+    if not ctx.enabled:
+        return flag
+    t = torch.tensor([int(flag)], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def gather_objects(obj, ctx: DistContext) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    if not ctx.enabled:
+        return [obj]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier(ctx: DistContext) -> None:

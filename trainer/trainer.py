@@ -4,7 +4,6 @@ Read `train()` top to bottom: resume -> epochs of (feature server -> packs -> st
 offline evaluation -> metrics.json. `_step()` is the whole training step.
 """
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -14,7 +13,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -23,9 +21,9 @@ from feature_server.config import FeatureServerConfig
 from feature_server.dataset import check_tokenizer_matches, load_rows
 from feature_server.server import FeatureServer, shard_rows
 from trainer.layout import cuda_device_count, plan_node
-from trainer import distributed
+from trainer import distributed, parallel
 from trainer.batch import PackedBatch, pack_stream
-from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, rank_entry, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.evaluate import evaluate_report, stages_by_row_id
 from trainer.metrics import StepMetrics
@@ -47,9 +45,10 @@ class Trainer:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local_ranks != trainer_cfg.ranks:
             raise ValueError(f"trainer.ranks={trainer_cfg.ranks}, but {local_ranks} trainer processes run on this node; "
-                             "start them with `python -m launch.train` (it launches torchrun itself), or pass "
+                             "start them with `python -m launch.train` (it starts the ranks itself), or pass "
                              f"trainer.ranks=<torchrun --nproc-per-node>")
-        self.dist = distributed.init_distributed(trainer_cfg.device)
+        parallel.check_mode(trainer_cfg.parallel)
+        self.dist = distributed.init_distributed(trainer_cfg.device, trainer_cfg.collective_timeout_s)
         torch.manual_seed(trainer_cfg.seed)
         self.target = TargetInfo.load(target_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
@@ -60,7 +59,9 @@ class Trainer:
             raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
         self.heldout_rows, self.heldout_skips = (load_rows(heldout_path, tokenizer, max_tokens) if heldout_path else ([], None))
         self.heldout_path = heldout_path
-        self.drafter = build_drafter(drafter_cfg, self.target, tokenizer)
+        # Kept to rebuild an unsharded drafter for export and evaluation after an fsdp run.
+        self._new_drafter = lambda: build_drafter(drafter_cfg, self.target, tokenizer)
+        self.drafter = self._new_drafter()
         self.drafter.prepare(self.rows)
         self.drafter.to(self.dist.device)
         self.head = TargetHead(self.target).to(self.dist.device)
@@ -68,7 +69,7 @@ class Trainer:
         self.spec.check_against(self.target.num_hidden_layers)
         _check_feature_capacity(server_cfg, self.layout.workers_per_rank, trainer_cfg.token_budget, self.spec,
                                 self.target.hidden_size)
-        self.model = DistributedDataParallel(self.drafter) if self.dist.enabled else self.drafter
+        self.model = parallel.wrap(self.drafter, trainer_cfg.parallel, self.dist)
         if trainer_cfg.compile:
             self.model = torch.compile(self.model)
         self.optimizers = Optimizers(self.drafter, trainer_cfg)
@@ -88,34 +89,43 @@ class Trainer:
         state = self._resume()
         bar = tqdm(total=self.cfg.max_steps, initial=state.step, disable=not (self.cfg.progress and self.dist.is_main),
                    desc=f"train {self.meta['drafter']}", unit="step")
-        while state.step < self.cfg.max_steps and state.epoch < self.cfg.max_epochs:
-            finished_epoch = self._run_epoch(state, bar)
-            if finished_epoch:
-                state.epoch += 1
-                state.consumed_row_ids.clear()
+        steps = self._step_groups(state)
+        while state.step < self.cfg.max_steps:
+            waited = time.perf_counter()
+            micro = next(steps, None)
+            state.feature_wait_seconds += time.perf_counter() - waited
+            # Ranks pack their own shards, so one may run out of epochs (max_epochs) a step or two before the
+            # others; they stop together, or the others would wait forever in the gradient all-reduce.
+            if not distributed.all_ranks(micro is not None, self.dist):
+                log.info("step %d: stopping, a rank has no rows left (trainer.max_epochs=%d)", state.step,
+                         self.cfg.max_epochs)
+                break
+            self._step(micro, state)
+            bar.update(1)
+            bar.set_postfix(loss=f"{state.last_loss:.3f}", tau=f"{self.window.tau_estimate:.2f}")
+            if state.step % self.cfg.log_every == 0:
+                self._log(state)
+            if state.step % self.cfg.checkpoint_every == 0:
+                self._save(state)
+        steps.close()  # ends the epoch in progress: its feature server stops, its counts are kept
         bar.close()
         self._save(state)
         return self._finish(state)
 
-    def _run_epoch(self, state: TrainState, bar) -> bool:
-        with self._server(self.rows, skip=state.consumed_row_ids) as server:
-            waited = time.perf_counter()
-            for micro in _grouped(pack_stream(server, self.cfg.token_budget, self.spec.layer_ids),
-                                  self.cfg.grad_accum):
-                state.feature_wait_seconds += time.perf_counter() - waited
-                self._step(micro, state)
-                bar.update(1)
-                bar.set_postfix(loss=f"{state.last_loss:.3f}", tau=f"{self.window.tau_estimate:.2f}")
-                if state.step % self.cfg.log_every == 0:
-                    self._log(state)
-                if state.step % self.cfg.checkpoint_every == 0:
-                    self._save(state)
-                if state.step >= self.cfg.max_steps:
-                    self._count_delivery(server, state, epoch_done=False)
-                    return False
-                waited = time.perf_counter()
-            self._count_delivery(server, state, epoch_done=True)
-        return True
+    def _step_groups(self, state: TrainState):
+        """This rank's optimizer steps' worth of packs (trainer.grad_accum each), epoch after epoch, one feature
+        server per epoch over the rows not yet trained on this epoch (all of them, unless resumed mid-epoch)."""
+        while state.epoch < self.cfg.max_epochs:
+            finished = False
+            with self._server(self.rows, skip=state.consumed_row_ids) as server:
+                try:
+                    yield from _grouped(pack_stream(server, self.cfg.token_budget, self.spec.layer_ids),
+                                        self.cfg.grad_accum)
+                    finished = True
+                finally:
+                    self._count_delivery(server, state, epoch_done=finished)
+            state.epoch += 1
+            state.consumed_row_ids.clear()
 
     def _count_delivery(self, server: FeatureServer, state: TrainState, epoch_done: bool) -> None:
         stats = server.stats()
@@ -141,8 +151,8 @@ class Trainer:
         for i, batch in enumerate(micro):
             batch = batch.to(self.dist.device, torch.float32)
             last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last or not self.dist.enabled else self.model.no_sync()
-            with sync:  # DDP all-reduces gradients once, on the last micro-batch
+            # Gradients are reduced over the ranks once, on the last micro-batch.
+            with parallel.gradient_sync(self.model, self.cfg.parallel, self.dist, sync=last):
                 with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
                     out = self.model(batch, self.head, self.generator)
@@ -195,11 +205,23 @@ class Trainer:
         path = latest_checkpoint(self.run_dir)
         if path is None:
             return TrainState()
-        return load_checkpoint(path, self.drafter, self.optimizers, self.generator, self.meta)
+        ckpt = load_checkpoint(path, self.meta)
+        parallel.load_model_state(self.drafter, ckpt.drafter)
+        parallel.load_optimizer_state(self.drafter, self.optimizers.optimizers, ckpt.optimizers)
+        state, generator_state = ckpt.rank_state(self.dist.rank, self.dist.world_size)
+        if generator_state is not None:
+            self.generator.set_state(generator_state)
+        log.info("resumed from %s at step %d (epoch %d, %d rows consumed)", path, state.step, state.epoch,
+                 len(state.consumed_row_ids))
+        return state
 
     def _save(self, state: TrainState) -> None:
+        # Collectives under fsdp (full tensors are gathered) and for the per-rank entries: every rank takes part.
+        drafter_state = parallel.model_state(self.drafter)
+        optimizer_state = parallel.optimizer_state(self.drafter, self.optimizers.optimizers)
+        ranks = distributed.gather_objects(rank_entry(state, self.generator), self.dist)
         if self.dist.is_main:
-            save_checkpoint(self.run_dir, state, self.drafter, self.optimizers, self.generator, self.meta,
+            save_checkpoint(self.run_dir, state.step, ranks, drafter_state, optimizer_state, self.meta,
                             self.cfg.keep_checkpoints)
         distributed.barrier(self.dist)
 
@@ -216,11 +238,12 @@ class Trainer:
     def _finish(self, state: TrainState) -> dict:
         metrics = {}
         state = self._summed_over_ranks(state)
+        drafter = self._unsharded_drafter()
         if self.dist.is_main:
             export_dir = self.run_dir / "export"
-            self.drafter.export(export_dir, self.target)
+            drafter.export(export_dir, self.target)
             eval_started = time.perf_counter()
-            report = self._evaluate()
+            report = self._evaluate(drafter)
             counts = report.total if report else None
             metrics = {
                 "drafter": self.meta["drafter"],
@@ -271,14 +294,26 @@ class Trainer:
         summed = {name: type(getattr(state, name))(v) for name, v in zip(self._SUMMED, total)}
         return replace(state, **summed, last_loss=total[-1] / self.dist.world_size)
 
-    def _evaluate(self):
+    def _unsharded_drafter(self):
+        """The drafter with whole weights, for export and evaluation on rank 0 (a collective under fsdp)."""
+        if not (self.dist.enabled and self.cfg.parallel == "fsdp"):
+            return self.drafter
+        full = parallel.model_state(self.drafter)
+        if not self.dist.is_main:
+            return None
+        drafter = self._new_drafter()
+        drafter.prepare(self.rows)
+        drafter.load_state_dict(full)
+        return drafter.to(self.dist.device)
+
+    def _evaluate(self, drafter):
         rows = self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows
         if not rows:
             log.warning("no held-out rows: tau_offline is not measured")
             return None
         stages = stages_by_row_id(self.heldout_path)
         with self._server(rows, sharded=False) as server:  # streamed: counts do not depend on order
-            return evaluate_report(self.drafter, self.head, server, self.spec.layer_ids, self.dist.device,
+            return evaluate_report(drafter, self.head, server, self.spec.layer_ids, self.dist.device,
                                    torch.float32, stages=stages)
 
 

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -19,16 +20,16 @@ import pytest
 
 from launch.config import DataConfig
 from launch.prepare import resolve_data
+from tests.listeners import off_loopback_listeners
 from tests.test_e2e import REPO, SMALL
 
 pytest.importorskip("ray", reason="needs the test extra: pip install 'ray[default]'")
 from omegaconf import OmegaConf  # noqa: E402
 
-from launch.ray_job import (Node, NodeBundles, compose_run, pick_nodes, resolve_run_dir, torchrun_env,  # noqa: E402
-                             visible_devices)
+from launch.ranks import torchrun_env  # noqa: E402
+from launch.ray_job import Node, NodeBundles, compose_run, pick_nodes, resolve_run_dir, visible_devices  # noqa: E402
 
 RAY = str(Path(sys.executable).with_name("ray"))
-LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 
 def _layout(trainer_device="cpu", worker_device="cpu", node_gpus=0) -> NodeBundles:
@@ -69,12 +70,16 @@ def test_gpus_asked_of_a_cpu_cluster_fail_clearly():
         _layout(trainer_device="cuda")
 
 
-def test_env_is_torchruns():
-    env = torchrun_env(rank=3, local_rank=1, node_rank=1, nodes=2, layout=_layout(), master=("10.0.0.1", 29400),
+def test_env_is_torchruns(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    env = torchrun_env(rank=3, local_rank=1, node_rank=1, nodes=2, ranks_per_node=2, master=("10.0.0.1", 29400),
                        run_id="job")
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == \
         {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
-    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["TORCHELASTIC_USE_AGENT_STORE"]) == ("10.0.0.1", "29400", "True")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29400")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and "GLOO_SOCKET_IFNAME" not in env  # not loopback
+    assert torchrun_env(0, 0, 0, 1, 2, ("127.0.0.1", 1), "job")["GLOO_SOCKET_IFNAME"] == "lo"
 
 
 def test_relative_run_dir_is_refused():
@@ -115,8 +120,10 @@ def ray_head(request):
     temp_dir = os.path.join(root, "ray")  # = RAY_TMPDIR/ray, where ray.cluster_utils writes its address file
     os.makedirs(temp_dir)
     port, mem = _free_port(), 100 * 2**20
+    # RAY_worker_niceness=0: Ray runs its workers (and so the trainer ranks) at nice 15 by default; on 2 shared
+    # cores any busy process then starves them, and a 1-minute job took over 10 minutes next to 2 busy loops.
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_TMPDIR": root,
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
     cluster = None
     try:
         if request.param == "one-node":
@@ -151,47 +158,45 @@ def _wait_for_http(url: str, timeout_s: float = 120) -> None:
             time.sleep(1)
 
 
-def _off_loopback_listeners(marks: tuple[str, ...]) -> set:
-    """Listening sockets off loopback held by Ray's processes (their command lines name the Ray temp dir, or
-    read ray::ACTOR) or this run's trainer ranks (they name the run dir)."""
-    import psutil
-
-    found = set()
-    for conn in psutil.net_connections(kind="inet"):
-        if conn.status != psutil.CONN_LISTEN or conn.laddr.ip.startswith(LOOPBACK) or conn.pid is None:
-            continue
-        try:
-            cmd = " ".join(psutil.Process(conn.pid).cmdline())
-        except psutil.Error:
-            continue
-        if cmd.startswith("ray::") or any(m in cmd for m in marks):
-            found.add((conn.laddr.ip, conn.laddr.port, cmd[:120]))
-    return found
-
-
-def submit(ray_head, cache_dir, overrides: list[str]) -> tuple[int, str, set]:
-    """`ray job submit` (blocking, logs streamed back) of launch.ray_job; samples listeners while it runs."""
+def submit(ray_head, cache_dir, overrides: list[str], deadline_s: float = 600) -> tuple[int, str, set]:
+    """`ray job submit` (blocking, logs streamed back) of launch.ray_job; samples listeners while it runs. Past
+    `deadline_s` the job is stopped (`ray job stop`, which frees its placement group for the next test) and its
+    output so far is returned with code -1, so a hang fails with the job's own log instead of a bare timeout."""
     _, address, env, temp_dir = ray_head
     runtime_env = {"env_vars": {"SPECDISTILL_CACHE": str(cache_dir)}}
     cmd = [RAY, "job", "submit", "--address", address, "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--", sys.executable, "-m", "launch.ray_job", *overrides]
     job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
+    reader.start()
     marks = (temp_dir, *(o for o in overrides if o.startswith("hydra.run.dir=")))
-    listeners, deadline = set(), time.monotonic() + 900
+    listeners, deadline = set(), time.monotonic() + deadline_s
     while job.poll() is None and time.monotonic() < deadline:
-        listeners |= _off_loopback_listeners(marks)
+        listeners |= off_loopback_listeners(marks)
         time.sleep(1.0)
-    if job.poll() is None:
+    code = job.poll()
+    if code is None:
+        job_id = next(iter(re.findall(r"Job '(raysubmit_\w+)' submitted", "".join(lines))), None)
+        if job_id:
+            subprocess.run([RAY, "job", "stop", "--address", address, job_id], env=env, capture_output=True,
+                           timeout=120)
         job.kill()
-    return job.wait(), job.communicate()[0], listeners
+        code = -1
+        lines.append(f"\n[test] job {job_id} still running after {deadline_s:.0f} s: stopped\n")
+    job.wait()
+    reader.join(timeout=30)
+    return code, "".join(lines), listeners
 
 
-TINY = ["target=tiny-llama", *SMALL, "trainer.max_steps=2", "trainer.device=cpu"]
+# A rank stuck in a collective fails after 300 s (naming the collective) rather than hanging the job.
+TINY = ["target=tiny-llama", *SMALL, "trainer.max_steps=2", "trainer.device=cpu", "trainer.collective_timeout_s=300"]
 PER_NODE = {"one-node": ["trainer.ranks=2", "feature_server.workers=2"],  # 2 ranks in all, either way,
             "two-nodes": ["trainer.ranks=1", "feature_server.workers=1"]}  # each with one feature worker
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # above submit()'s 600 s deadline, so a hang still reports the job's log
 def test_ray_job_two_ranks_one_process_group(ray_head, tmp_path, cache_dir, tiny_target):
     shape = ray_head[0]
     target_dir = tiny_target("tiny-llama")
@@ -215,6 +220,7 @@ def test_ray_job_two_ranks_one_process_group(ray_head, tmp_path, cache_dir, tiny
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("ray_head", ["one-node"], indirect=True)  # the failure path does not depend on the shape
 def test_ray_job_failing_ranks_fail_the_job(ray_head, tmp_path, cache_dir):
     """Both ranks exit non-zero (no checkpoint at target.path): the job fails and says which ranks."""

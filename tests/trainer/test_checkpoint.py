@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import checkpoint
-from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer import checkpoint, parallel
+from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, rank_entry, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.optim import Optimizers
 
@@ -21,9 +21,16 @@ def _parts(seed: int):
     return model, optimizers, torch.Generator().manual_seed(seed)
 
 
+def _save(tmp_path, states: list[TrainState], model, optimizers, generator):
+    """What Trainer._save writes: full model/optimizer states and one entry per rank."""
+    return save_checkpoint(tmp_path, states[0].step, [rank_entry(s, generator) for s in states],
+                           parallel.model_state(model), parallel.optimizer_state(model, optimizers.optimizers),
+                           META, 2)
+
+
 def test_a_crash_during_save_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
     model, optimizers, generator = _parts(0)
-    save_checkpoint(tmp_path, TrainState(step=1, consumed_row_ids={3, 5}), model, optimizers, generator, META, 2)
+    _save(tmp_path, [TrainState(step=1, consumed_row_ids={3, 5})], model, optimizers, generator)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
     def dies_halfway(obj, path):
@@ -35,20 +42,40 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_usable(tmp_path, mon
         model[0].weight.add_(1.0)
     monkeypatch.setattr(checkpoint.torch, "save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(tmp_path, TrainState(step=2), model, optimizers, generator, META, 2)
+        _save(tmp_path, [TrainState(step=2)], model, optimizers, generator)
     monkeypatch.undo()
 
     path = latest_checkpoint(tmp_path)
     assert path.name == "step_00000001.pt"  # the half-written step 2 is only ever a .tmp
     fresh, fresh_opt, fresh_gen = _parts(1)
-    state = load_checkpoint(path, fresh, fresh_opt, fresh_gen, META)
+    ckpt = load_checkpoint(path, META)
+    parallel.load_model_state(fresh, ckpt.drafter)
+    parallel.load_optimizer_state(fresh, fresh_opt.optimizers, ckpt.optimizers)
+    state, generator_state = ckpt.rank_state(0, 1)
     assert state.step == 1 and state.consumed_row_ids == {3, 5}
     assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
-    assert torch.equal(fresh_gen.get_state(), generator.get_state())
+    assert torch.equal(generator_state, generator.get_state())
+    for ours, theirs in zip(fresh_opt.optimizers, optimizers.optimizers):  # Muon momentum, AdamW moments
+        a, b = ours.state_dict()["state"], theirs.state_dict()["state"]
+        assert a.keys() == b.keys() and all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+def test_a_checkpoint_of_two_ranks_resumes_each_rank_or_any_other_count(tmp_path):
+    model, optimizers, generator = _parts(0)
+    states = [TrainState(step=4, consumed_row_ids={0, 2}, train_tokens=100, samples_lost=0),
+              TrainState(step=4, consumed_row_ids={1, 3, 5}, train_tokens=150, samples_lost=0)]
+    ckpt = load_checkpoint(_save(tmp_path, states, model, optimizers, generator), META)
+    assert ckpt.rank_state(1, 2)[0].consumed_row_ids == {1, 3, 5}  # the same ranks: each its own
+    assert ckpt.rank_state(1, 2)[0].train_tokens == 150
+    # Three ranks now: every one skips what any rank trained on (it only meets its own shard's rows), and the
+    # counters are carried once, by rank 0, so the job's totals (summed over ranks) stay the same.
+    resumed = [ckpt.rank_state(r, 3) for r in range(3)]
+    assert all(s.consumed_row_ids == {0, 1, 2, 3, 5} and s.step == 4 and g is None for s, g in resumed)
+    assert [s.train_tokens for s, _ in resumed] == [250, 0, 0]
 
 
 def test_a_checkpoint_of_another_setup_is_refused(tmp_path):
     model, optimizers, generator = _parts(0)
-    path = save_checkpoint(tmp_path, TrainState(step=1), model, optimizers, generator, META, 2)
+    path = _save(tmp_path, [TrainState(step=1)], model, optimizers, generator)
     with pytest.raises(ValueError, match="target_layer_ids=\\[1, 2\\].*use a new hydra.run.dir"):
-        load_checkpoint(path, model, optimizers, generator, {**META, "target_layer_ids": [1, 3]})
+        load_checkpoint(path, {**META, "target_layer_ids": [1, 3]})

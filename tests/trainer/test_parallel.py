@@ -1,0 +1,136 @@
+"""trainer/parallel.py and GatheredMuon: FSDP2 on 2 gloo ranks takes the same steps as one unsharded process,
+and its gathered checkpoints resume exactly."""
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from trainer import parallel
+from trainer.config import TrainerConfig
+from trainer.distributed import DistContext
+from trainer.optim import GatheredMuon, Optimizers
+
+CFG = TrainerConfig(muon_lr=0.02, lr=3e-3, weight_decay=0.1)
+
+
+class Stack(nn.Module):
+    """A drafter's shape for FSDP: `layers` (one unit each) plus root-level weights. 7 and 5 rows do not split
+    evenly over 2 ranks, as real vocab or hidden sizes need not."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 7)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(7, 5), nn.GELU(), nn.LayerNorm(5)),
+                                     nn.Sequential(nn.Linear(5, 7), nn.GELU())])
+        self.out = nn.Linear(7, 3, bias=False)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x).pow(2).mean()
+
+
+def _batches(steps: int, rows: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(rows, 6, generator=g) for _ in range(steps)]
+
+
+def _train(model, optimizers, batches, part=slice(None)):
+    for x in batches:
+        model(x[part]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizers.step()
+        optimizers.zero_grad()
+
+
+def test_gathered_muon_is_torch_muon_on_plain_tensors():
+    torch.manual_seed(0)
+    ours, theirs = Stack(), Stack()
+    theirs.load_state_dict(ours.state_dict())
+    matrices = lambda m: [p for p in m.parameters() if p.ndim == 2]  # noqa: E731
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    a, b = GatheredMuon(matrices(ours), **kw), torch.optim.Muon(matrices(theirs), **kw)
+    for x in _batches(3):
+        for model, opt in ((ours, a), (theirs, b)):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+
+
+def _through_bytes(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _fsdp_rank(rank: int, init_file: str, out: dict):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        ctx = DistContext(rank, 2, rank, torch.device("cpu"))
+        torch.manual_seed(0)
+        model = parallel.wrap(Stack(), "fsdp", ctx)
+        assert type(model.layers[0][0].weight).__name__ == "DTensor"  # sharded, not replicated
+        optimizers = Optimizers(model, CFG)
+        half = slice(rank * 4, rank * 4 + 4)  # each rank its own half of every batch; FSDP averages
+        _train(model, optimizers, _batches(3), half)
+        full = parallel.model_state(model)  # gathered on rank 0 only, as rank 0 writes checkpoints
+        optim_state = parallel.optimizer_state(model, optimizers.optimizers)
+        after_3 = {k: v.clone() for k, v in full.items()}
+        # Through bytes, as through the checkpoint file: the gathered dicts share tensors (AdamW's step counts)
+        # with the live optimizer. Every rank reads the file when it resumes.
+        loaded = [_through_bytes([full, optim_state]) if rank == 0 else None]
+        dist.broadcast_object_list(loaded, src=0)
+        loaded = loaded[0]
+        # Resume in a fresh sharded model from the gathered states, then one more step on both.
+        torch.manual_seed(1)
+        fresh = parallel.wrap(Stack(), "fsdp", ctx)
+        fresh_opt = Optimizers(fresh, CFG)
+        parallel.load_model_state(fresh, loaded[0])
+        parallel.load_optimizer_state(fresh, fresh_opt.optimizers, loaded[1])
+        more = _batches(4)[3:]
+        _train(model, optimizers, more, half)
+        _train(fresh, fresh_opt, more, half)
+        after, resumed = parallel.model_state(model), parallel.model_state(fresh)
+        if rank == 0:
+            out.update(after_3=after_3, after_4=after, resumed_4=resumed,
+                       muon_keys=sorted(optim_state["state"]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_ranks_steps_like_one_process_and_resumes_exactly(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = Stack()
+    optimizers = Optimizers(model, CFG)
+    _train(model, optimizers, _batches(3))
+    after_3 = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, optimizers, _batches(4)[3:])
+    after_4 = model.state_dict()
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        mp.spawn(_fsdp_rank, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+        out = dict(out)
+    # FSDP reduce-scatters the two halves' mean gradient; one process takes the mean over the whole batch, so
+    # only float summation order differs. Muon's orthogonalisation runs in bf16, hence 1e-5 and not 1e-7.
+    for name, want in after_3.items():
+        torch.testing.assert_close(out["after_3"][name], want, rtol=1e-5, atol=1e-5, msg=name)
+    for name, want in after_4.items():
+        torch.testing.assert_close(out["after_4"][name], want, rtol=1e-5, atol=1e-5, msg=name)
+    # The gathered checkpoint resumes bit for bit: model, Muon momentum and AdamW moments all came back.
+    assert all(torch.equal(out["resumed_4"][k], out["after_4"][k]) for k in after_4)
+    assert "layers.0.0.weight" in out["muon_keys"]  # optimizer state keyed by parameter name
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="trainer.parallel='zero3'; valid: ddp, fsdp"):
+        parallel.check_mode("zero3")
