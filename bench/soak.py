@@ -44,6 +44,18 @@ def shmem_mb() -> float:
     return float("nan")
 
 
+def feature_workers(trainer: psutil.Process) -> list[psutil.Process]:
+    """The trainer's spawned feature workers alive now (one that is exiting is skipped)."""
+    found = []
+    for child in trainer.children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
+
+
 def peak_rss_mb(pid: int) -> float:
     """The kernel's high-water mark of the process's RSS (VmHWM): its peak, however sparse the sampling."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -100,7 +112,7 @@ def main() -> None:
             time.sleep(args.every)
             if proc.poll() is not None:
                 raise SystemExit(f"the run died (exit {proc.returncode}):\n{proc.stderr.read()[-3000:]}")
-            workers = [c for c in trainer.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+            workers = feature_workers(trainer)
             now, worker_rss = time.monotonic() - t0, 0.0
             for w in workers:
                 try:

@@ -24,7 +24,8 @@ class GatheredMuon(torch.optim.Muon):
     each rank keeps its own rows of the result. On plain tensors every step is torch.optim.Muon's, bit for bit.
 
     Plain torch.optim.Muon accepts DTensors too, but its orthogonalisation then runs through sharded matmuls:
-    on 2 gloo ranks its update was ~15% (max-abs) off the unsharded one, where the gathered one is exact.
+    on 2 gloo ranks, 3 steps left 41 of 42 entries of a weight off the unsharded run, by up to 5.6%
+    (tests/trainer/test_parallel.py with it swapped in); the gathered one matches to 1e-5.
     Every rank computes the full orthogonalisation (as distributed-Muon designs do for the data-parallel
     group); the gather moves the same bytes as FSDP's own weight all-gather."""
 

@@ -122,13 +122,18 @@ def test_fsdp_on_two_ranks_steps_like_one_process_and_resumes_exactly(tmp_path, 
         out = dict(out)
     # FSDP reduce-scatters the two halves' mean gradient; one process takes the mean over the whole batch, so
     # only float summation order differs. Muon's orthogonalisation runs in bf16, hence 1e-5 and not 1e-7.
+    # (torch.optim.Muon in GatheredMuon's place fails here: 41 of 42 entries of embed.weight off, up to 5.6%.)
     for name, want in after_3.items():
-        torch.testing.assert_close(out["after_3"][name], want, rtol=1e-5, atol=1e-5, msg=name)
+        _close(out["after_3"][name], want, name)
     for name, want in after_4.items():
-        torch.testing.assert_close(out["after_4"][name], want, rtol=1e-5, atol=1e-5, msg=name)
+        _close(out["after_4"][name], want, name)
     # The gathered checkpoint resumes bit for bit: model, Muon momentum and AdamW moments all came back.
     assert all(torch.equal(out["resumed_4"][k], out["after_4"][k]) for k in after_4)
     assert "layers.0.0.weight" in out["muon_keys"]  # optimizer state keyed by parameter name
+
+
+def _close(got, want, name):
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_unknown_mode_is_refused():
