@@ -35,6 +35,13 @@ class TrainState:
     feature_workers_died: int = 0
 
 
+# Counters each rank keeps over its own shard: the job's value is their sum over the ranks (metrics.json, and a
+# resume on another rank count). train_seconds is wall-clock time, the same on every rank: never summed.
+SUMMED_OVER_RANKS = ("train_tokens", "train_response_tokens", "feature_seconds", "feature_wait_seconds",
+                     "samples_duplicated", "samples_lost", "rows_reissued", "duplicate_deliveries_dropped",
+                     "feature_workers_died")
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
@@ -85,18 +92,13 @@ class Checkpoint:
         states = [entry["state"] for entry in self.ranks]
         consumed = set().union(*(s["consumed_row_ids"] for s in states))
         first = states[0]
-        counters = {k: sum(s[k] for s in states) if rank == 0 else type(first[k])(0) for k in _COUNTERS}
+        counters = {k: sum(s[k] for s in states) if rank == 0 else type(first[k])(0) for k in SUMMED_OVER_RANKS}
         log.warning("%s was written by %d trainer rank(s), this run has %d: resuming the epoch with the %d rows "
                     "already trained skipped; sampling RNG restarts", self.path, len(self.ranks), world_size,
                     len(consumed))
         state = TrainState(step=first["step"], epoch=first["epoch"], consumed_row_ids=consumed,
-                           last_loss=first["last_loss"], **counters)
+                           last_loss=first["last_loss"], train_seconds=first["train_seconds"], **counters)
         return state, None
-
-
-_COUNTERS = ("train_tokens", "train_response_tokens", "train_seconds", "feature_seconds", "feature_wait_seconds",
-             "samples_duplicated", "samples_lost", "rows_reissued", "duplicate_deliveries_dropped",
-             "feature_workers_died")
 
 
 def load_checkpoint(path: Path, meta: dict) -> Checkpoint:

@@ -23,7 +23,8 @@ from feature_server.server import FeatureServer, shard_rows
 from trainer.layout import cuda_device_count, plan_node
 from trainer import distributed, parallel
 from trainer.batch import PackedBatch, pack_stream
-from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, rank_entry, save_checkpoint
+from trainer.checkpoint import (SUMMED_OVER_RANKS, TrainState, latest_checkpoint, load_checkpoint, rank_entry,
+                                save_checkpoint)
 from trainer.config import TrainerConfig
 from trainer.evaluate import evaluate_report, stages_by_row_id
 from trainer.metrics import StepMetrics
@@ -281,17 +282,14 @@ class Trainer:
         distributed.close(self.dist)
         return metrics
 
-    _SUMMED = ("train_tokens", "train_response_tokens", "samples_duplicated", "samples_lost", "rows_reissued",
-               "duplicate_deliveries_dropped", "feature_workers_died", "feature_seconds", "feature_wait_seconds")
-
     def _summed_over_ranks(self, state: TrainState) -> TrainState:
         """Counters as the whole job's (every rank trains its own shard); the loss as the mean over ranks."""
         if not self.dist.enabled:
             return state
-        values = [float(getattr(state, name)) for name in self._SUMMED] + [state.last_loss]
+        values = [float(getattr(state, name)) for name in SUMMED_OVER_RANKS] + [state.last_loss]
         total = distributed.all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=self.dist.device),
                                            self.dist).tolist()
-        summed = {name: type(getattr(state, name))(v) for name, v in zip(self._SUMMED, total)}
+        summed = {name: type(getattr(state, name))(v) for name, v in zip(SUMMED_OVER_RANKS, total)}
         return replace(state, **summed, last_loss=total[-1] / self.dist.world_size)
 
     def _unsharded_drafter(self):

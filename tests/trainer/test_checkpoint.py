@@ -62,8 +62,8 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_usable(tmp_path, mon
 
 def test_a_checkpoint_of_two_ranks_resumes_each_rank_or_any_other_count(tmp_path):
     model, optimizers, generator = _parts(0)
-    states = [TrainState(step=4, consumed_row_ids={0, 2}, train_tokens=100, samples_lost=0),
-              TrainState(step=4, consumed_row_ids={1, 3, 5}, train_tokens=150, samples_lost=0)]
+    states = [TrainState(step=4, consumed_row_ids={0, 2}, train_tokens=100, samples_lost=0, train_seconds=10.0),
+              TrainState(step=4, consumed_row_ids={1, 3, 5}, train_tokens=150, samples_lost=0, train_seconds=10.5)]
     ckpt = load_checkpoint(_save(tmp_path, states, model, optimizers, generator), META)
     assert ckpt.rank_state(1, 2)[0].consumed_row_ids == {1, 3, 5}  # the same ranks: each its own
     assert ckpt.rank_state(1, 2)[0].train_tokens == 150
@@ -72,6 +72,7 @@ def test_a_checkpoint_of_two_ranks_resumes_each_rank_or_any_other_count(tmp_path
     resumed = [ckpt.rank_state(r, 3) for r in range(3)]
     assert all(s.consumed_row_ids == {0, 1, 2, 3, 5} and s.step == 4 and g is None for s, g in resumed)
     assert [s.train_tokens for s, _ in resumed] == [250, 0, 0]
+    assert [s.train_seconds for s, _ in resumed] == [10.0] * 3  # wall-clock: rank 0's, not a sum
 
 
 def test_a_checkpoint_of_another_setup_is_refused(tmp_path):
