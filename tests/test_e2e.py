@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -61,30 +60,20 @@ def test_two_ranks_launched_by_the_cli(tmp_path, cache_dir, tiny_target):
     """trainer.ranks=2 from plain `python -m launch.train`: it starts the ranks itself with torchrun's environment
     (DDP over gloo); each rank streams its own shard from its own worker; rank 0 writes the run directory. While
     it runs, no process of the run listens off loopback (torchrun's own store would listen on every interface)."""
-    from tests.listeners import off_loopback_listeners
+    from tests.listeners import SampledRun, off_loopback_listeners
 
     tiny_target("tiny-llama")
     run_dir = tmp_path / "ddp"
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", *SMALL, "trainer.max_steps=2",
            "trainer.device=cpu", "trainer.ranks=2", "feature_server.workers=2", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    listeners, deadline = set(), time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        listeners |= off_loopback_listeners(roots=(proc.pid,))
-        time.sleep(0.5)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    reader.join(timeout=30)
-    out = "".join(lines)
-    assert proc.returncode == 0, out[-6000:]
+    run = SampledRun(cmd, cwd=REPO, env=env, sample=lambda proc: off_loopback_listeners(roots=(proc.pid,)),
+                     deadline_s=600, every_s=0.5)
+    code, out = run.finish()
+    assert code == 0, out[-6000:]
     started = r"started 2 trainer ranks \(pids \d+,\d+\); rendezvous store at 127\.0\.0\.1:\d+"
     assert re.search(started, out), out[-3000:]
-    assert not listeners, f"listening off loopback: {listeners}"
+    assert not run.found, f"listening off loopback: {run.found}"
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["steps"] == 2 and (run_dir / "export" / "model.safetensors").is_file()
 

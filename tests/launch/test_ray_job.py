@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 
 from launch.config import DataConfig
 from launch.prepare import resolve_data
-from tests.listeners import off_loopback_listeners
+from tests.listeners import SampledRun, off_loopback_listeners
 from tests.test_e2e import REPO, SMALL
 
 pytest.importorskip("ray", reason="needs the test extra: pip install 'ray[default]'")
@@ -166,27 +165,16 @@ def submit(ray_head, cache_dir, overrides: list[str], deadline_s: float = 600) -
     runtime_env = {"env_vars": {"SPECDISTILL_CACHE": str(cache_dir)}}
     cmd = [RAY, "job", "submit", "--address", address, "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--", sys.executable, "-m", "launch.ray_job", *overrides]
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)
-    reader.start()
     marks = (temp_dir, *(o for o in overrides if o.startswith("hydra.run.dir=")))
-    listeners, deadline = set(), time.monotonic() + deadline_s
-    while job.poll() is None and time.monotonic() < deadline:
-        listeners |= off_loopback_listeners(marks)
-        time.sleep(1.0)
-    code = job.poll()
-    if code is None:
-        job_id = next(iter(re.findall(r"Job '(raysubmit_\w+)' submitted", "".join(lines))), None)
-        if job_id:
-            subprocess.run([RAY, "job", "stop", "--address", address, job_id], env=env, capture_output=True,
-                           timeout=120)
-        job.kill()
-        code = -1
-        lines.append(f"\n[test] job {job_id} still running after {deadline_s:.0f} s: stopped\n")
-    job.wait()
-    reader.join(timeout=30)
-    return code, "".join(lines), listeners
+    job = SampledRun(cmd, cwd=REPO, env=env, sample=lambda _: off_loopback_listeners(marks), deadline_s=deadline_s,
+                     every_s=1.0)
+    if not job.running:
+        return *job.finish(), job.found
+    job_id = next(iter(re.findall(r"Job '(raysubmit_\w+)' submitted", "".join(job.lines))), None)
+    if job_id:
+        subprocess.run([RAY, "job", "stop", "--address", address, job_id], env=env, capture_output=True, timeout=120)
+    _, out = job.finish()
+    return -1, out + f"\n[test] job {job_id} still running after {deadline_s:.0f} s: stopped\n", job.found
 
 
 # A rank stuck in a collective fails after 300 s (naming the collective) rather than hanging the job.
