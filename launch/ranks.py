@@ -6,8 +6,8 @@ Ray) and hosts the store on it, as torchrun's agent hosts its store: the ranks g
 TORCHELASTIC_USE_AGENT_STORE=True, so they join as clients and nothing else listens. gloo and NCCL bootstrap
 on loopback too when every rank is on this machine (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless set).
 
-Used by `python -m launch.train trainer.ranks=N` (launch_local) and by launch/ray_job.py (host_store,
-torchrun_env). Plain `torchrun ... -m launch.train` keeps working; it binds as torchrun does.
+Used by `python -m launch.train trainer.ranks=N` (launch_local) and by launch/ray_job.py (Store,
+torchrun_env, die_with_parent). Plain `torchrun ... -m launch.train` keeps working; it binds as torchrun does.
 """
 
 import datetime

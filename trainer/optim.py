@@ -55,7 +55,7 @@ class GatheredMuon(torch.optim.Muon):
 
 
 class Optimizers:
-    """The two optimizers stepped, zeroed, scheduled and checkpointed as one."""
+    """The two optimizers stepped, zeroed and scheduled as one (trainer/parallel.py checkpoints them)."""
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig):
         params = [p for p in model.parameters() if p.requires_grad]

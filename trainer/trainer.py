@@ -60,11 +60,8 @@ class Trainer:
             raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
         self.heldout_rows, self.heldout_skips = (load_rows(heldout_path, tokenizer, max_tokens) if heldout_path else ([], None))
         self.heldout_path = heldout_path
-        # Kept to rebuild an unsharded drafter for export and evaluation after an fsdp run.
-        self._new_drafter = lambda: build_drafter(drafter_cfg, self.target, tokenizer)
+        self._drafter_cfg, self._tokenizer = drafter_cfg, tokenizer  # _new_drafter rebuilds it after fsdp
         self.drafter = self._new_drafter()
-        self.drafter.prepare(self.rows)
-        self.drafter.to(self.dist.device)
         self.head = TargetHead(self.target).to(self.dist.device)
         self.spec = replace(self.drafter.feature_spec(), hidden_dtype=server_cfg.hidden_dtype)
         self.spec.check_against(self.target.num_hidden_layers)
@@ -300,8 +297,14 @@ class Trainer:
         if not self.dist.is_main:
             return None
         drafter = self._new_drafter()
-        drafter.prepare(self.rows)
         drafter.load_state_dict(full)
+        return drafter
+
+    def _new_drafter(self):
+        """A freshly initialised drafter, prepared on the training rows (EAGLE-3 picks its draft vocab), on the
+        device."""
+        drafter = build_drafter(self._drafter_cfg, self.target, self._tokenizer)
+        drafter.prepare(self.rows)
         return drafter.to(self.dist.device)
 
     def _evaluate(self, drafter):
