@@ -12,3 +12,7 @@ class FeatureServerConfig:
     hidden_dtype: str = "bfloat16"
     device: str = "cpu"  # auto | cpu | cuda: where the target runs (launch/layout.py assigns GPU indices)
     dtype: str | None = None  # target compute dtype; None = the checkpoint's
+    # A worker that owes rows and sends nothing this long while the trainer waits is hung (a stuck GPU, a
+    # deadlocked engine), not slow: it is killed and its rows reissued. Loading the target gets the longer bound.
+    stall_timeout_s: float = 600.0
+    load_timeout_s: float = 1800.0

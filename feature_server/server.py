@@ -16,6 +16,7 @@ that makes the backend raise is a data error, not a fault to retry).
 
 import atexit
 import ctypes
+import faulthandler
 import logging
 import os
 import queue
@@ -158,6 +159,8 @@ class FeatureServer:
     skip_row_ids: rows already trained on (resume); skipping never moves a row to another rank.
     shm_prefix: file-name prefix; pass a stable one so a restart sweeps a crashed run's leftovers.
     max_worker_restarts: replacements started for workers that die, before the server gives up.
+    stall_timeout_s, load_timeout_s: a worker silent this long while the trainer waits (owing rows; or still
+        loading the target) is killed as hung, and treated as one that died.
 
     Use as a context manager, or iterate to the end (or break out): workers are stopped, segments swept.
     Workers die with the thread that started them (PR_SET_PDEATHSIG), so start it from a long-lived thread.
@@ -167,7 +170,8 @@ class FeatureServer:
                  workers: int = 1, rank: int = 0, num_ranks: int = 1, capacity_mb: float = 256,
                  device: str | Sequence[str] = "cpu", dtype: str | None = None,
                  skip_row_ids: frozenset[int] = frozenset(), threads_per_worker: int = 1, batch_rows: int = 1,
-                 shm_prefix: str | None = None, max_worker_restarts: int = 3):
+                 shm_prefix: str | None = None, max_worker_restarts: int = 3, stall_timeout_s: float = 600,
+                 load_timeout_s: float = 1800):
         if backend not in BACKENDS:
             raise ValueError(f"unknown feature backend {backend!r}; valid names: {sorted(BACKENDS)}")
         if workers < 1 or num_ranks < 1 or not 0 <= rank < num_ranks:
@@ -176,6 +180,9 @@ class FeatureServer:
         if batch_rows < 1 or threads_per_worker < 1 or capacity_mb <= 0 or max_worker_restarts < 0:
             raise ValueError(f"batch_rows ({batch_rows}), threads_per_worker ({threads_per_worker}), capacity_mb "
                              f"({capacity_mb}) must be positive and max_worker_restarts ({max_worker_restarts}) >= 0")
+        if stall_timeout_s <= 0 or load_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s ({stall_timeout_s}) and load_timeout_s ({load_timeout_s}) must be "
+                             f"positive")
         if workers + max_worker_restarts > MAX_PRODUCERS:
             raise ValueError(f"workers + max_worker_restarts must be <= {MAX_PRODUCERS}")
         devices = [device] * workers if isinstance(device, str) else list(device)
@@ -191,6 +198,7 @@ class FeatureServer:
         self._devices = devices
         self._prefetch = 2 * batch_rows
         self._restarts_left = max_worker_restarts
+        self._stall_timeout_s, self._load_timeout_s = stall_timeout_s, load_timeout_s
         self._ledger = SampleLedger(spec, self.rows)
         self._ctx = mp.get_context("spawn")  # fork would copy the trainer's threads/CUDA state into the workers
         self._procs: dict[int, mp.process.BaseProcess] = {}  # producer id -> process (live and dead)
@@ -201,6 +209,9 @@ class FeatureServer:
         self._suspect: set[int] = set()  # exited; declared dead after one more empty poll
         self._finished: set[int] = set()  # reported done
         self._died: set[int] = set()
+        self._loaded: set[int] = set()  # reported ready
+        self._stalled: set[int] = set()  # killed by the stall watchdog (also in _died)
+        self._heard: dict[int, float] = {}  # producer id -> monotonic time of its last message, start, or new work
         self._channel: ShmChannel | None = None
         self._per_worker: dict[int, dict] = {}
         self._counts = {"samples": 0, "tokens": 0, "bytes": 0, "trainer_wait_s": 0.0}
@@ -232,6 +243,7 @@ class FeatureServer:
         self._channel.started(w)
         self._procs[w], self._tasks[w], self._slot[w] = p, tasks, slot
         self._live.add(w)
+        self._heard[w] = time.monotonic()
         self._per_worker[w] = {"samples": 0, "extract_s": 0.0, "load_s": 0.0, "blocked_s": 0.0, "slot": slot}
         return w
 
@@ -305,6 +317,7 @@ class FeatureServer:
                 "load_s_max": max([s["load_s"] for s in per] or [0.0]),
                 "backpressure_wait_s_sum": sum(s["blocked_s"] for s in per),
                 "workers_done": len(self._finished), "workers_died": len(self._died),
+                "workers_stalled": len(self._stalled),
                 "rows_reissued": self._ledger.reissued, "duplicates_dropped": self._ledger.duplicates_dropped,
                 "rows_lost": len(self._ledger.rows) - len(self._ledger.done),
                 "per_worker": {w: dict(s) for w, s in self._per_worker.items()}}
@@ -313,6 +326,8 @@ class FeatureServer:
         for w in sorted(self._live - self._stopping):
             want = self._prefetch - self._ledger.outstanding(w)
             if want > 0 and self._ledger.pending:
+                if not self._ledger.outstanding(w):  # idle until now: its silence counts from here
+                    self._heard[w] = time.monotonic()
                 self._tasks[w].put(tuple(self._ledger.assign(w, want)))
 
     def _stop_workers(self) -> None:
@@ -334,12 +349,17 @@ class FeatureServer:
 
     def _next_message(self) -> Received:
         t0 = time.perf_counter()
+        waiting_since = time.monotonic()
         try:
             while True:
                 try:
-                    return self._channel.get(timeout=_POLL_S)
+                    msg = self._channel.get(timeout=_POLL_S)
                 except queue.Empty:
                     self._check_liveness()
+                    self._check_stalls(waiting_since)
+                    continue
+                self._heard[msg.producer_id] = time.monotonic()
+                return msg
         finally:
             self._counts["trainer_wait_s"] += time.perf_counter() - t0
 
@@ -354,7 +374,27 @@ class FeatureServer:
                 self._worker_died(w)
             self._suspect.add(w)
 
-    def _worker_died(self, w: int) -> None:
+    def _check_stalls(self, waiting_since: float) -> None:
+        # Silence only counts while the trainer waits: then it has drained every ring, so no worker can be
+        # blocked on backpressure, and one that owes rows (or has not loaded yet) and sends nothing is hung.
+        now = time.monotonic()
+        for w in sorted(self._live - self._stopping):
+            loaded = w in self._loaded
+            if loaded and not self._ledger.outstanding(w):
+                continue  # idle: nothing owed
+            limit = self._stall_timeout_s if loaded else self._load_timeout_s
+            silent_s = now - max(self._heard[w], waiting_since)
+            if silent_s > limit:
+                self._stalled.add(w)
+                _kill_group(self._procs[w].pid)
+                self._procs[w].kill()
+                doing = f"{self._ledger.outstanding(w)} rows in flight" if loaded else "loading the target"
+                knob = "stall_timeout_s" if loaded else "load_timeout_s"
+                self._worker_died(w, f"feature worker {w} (pid {self._procs[w].pid}) sent nothing for "
+                                     f"{silent_s:.0f} s while the trainer waited ({doing}; feature_server.{knob}="
+                                     f"{limit:g}), so it was killed as hung")
+
+    def _worker_died(self, w: int, why: str | None = None) -> None:
         p = self._procs[w]
         p.join(_POLL_S)  # end-of-stream can come a moment before the exit code
         _kill_group(p.pid)
@@ -362,8 +402,9 @@ class FeatureServer:
         self._died.add(w)
         reissued = self._ledger.worker_died(w)
         self._channel.release_producer(w)
-        what = (f"feature worker {w} (pid {p.pid}) exited with code {p.exitcode} without reporting an error "
-                f"(killed, or out of memory?); {len(reissued)} in-flight rows reissued")
+        why = why or (f"feature worker {w} (pid {p.pid}) exited with code {p.exitcode} without reporting an error "
+                      f"(killed, or out of memory?)")
+        what = f"{why}; {len(reissued)} in-flight rows reissued"
         if self._ledger.complete:  # died while being stopped: nothing is owed
             log.warning("%s after every row was delivered", what)
         elif self._restarts_left > 0:
@@ -395,6 +436,7 @@ class FeatureServer:
     def _on_control(self, msg: Received) -> None:
         w = msg.producer_id
         if msg.kind == "ready":
+            self._loaded.add(w)
             self._ledger.ready(w, msg.info)
             self._per_worker[w]["load_s"] = msg.info["load_s"]
         elif msg.kind == "done":
@@ -446,6 +488,7 @@ def _worker_main(args: _WorkerArgs, channel: ShmProducer) -> None:
     os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops us
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a worker is stuck
     _die_with_parent(args.parent_pid, channel.prefix)
     os.umask(0o077)  # whatever the backend writes (vLLM's hand-off files) is private to this user
     os.environ["SPECDISTILL_SHM_PREFIX"] = channel.prefix  # scratch dirs named so the channel's sweep finds them

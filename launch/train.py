@@ -5,9 +5,11 @@ directory (hydra.run.dir) ends with export/ and metrics.json; re-running with th
 resumes from its last checkpoint.
 """
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 
 import hydra
@@ -27,6 +29,7 @@ register_configs()
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> dict:
     os.umask(0o077)  # checkpoints, exports, logs and shared memory of a run are private to its user
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     cache_dir = Path(cfg.cache_dir).expanduser()
     # Built (or found in the cache) before any rank starts, so ranks never race to build them.

@@ -197,7 +197,8 @@ class Trainer:
         return FeatureServer(self.target.path, self.spec, rows, backend=c.backend, workers=len(devices),
                              rank=rank, num_ranks=num_ranks, capacity_mb=c.capacity_mb,
                              device=list(devices), dtype=c.dtype, skip_row_ids=frozenset(skip),
-                             threads_per_worker=c.threads_per_worker, shm_prefix=self.shm_prefix)
+                             threads_per_worker=c.threads_per_worker, shm_prefix=self.shm_prefix,
+                             stall_timeout_s=c.stall_timeout_s, load_timeout_s=c.load_timeout_s)
 
     def _resume(self) -> TrainState:
         path = latest_checkpoint(self.run_dir)

@@ -155,6 +155,45 @@ def test_killed_worker_rows_are_reissued_exactly_once(target, request):
     assert segment_paths(prefix) == []
 
 
+@pytest.mark.timeout(180)  # without the stall watchdog this test would wait forever
+def test_hung_worker_is_killed_and_its_rows_reissued_exactly_once(target, request, caplog):
+    """kill -STOP one of two workers mid-run (alive, silent: a stuck GPU or engine): once the trainer has waited
+    stall_timeout_s for it, it is killed and its rows go to the other worker; every row arrives exactly once."""
+    rows = _rows(16)
+    prefix = _prefix(request)
+    server = FeatureServer(target, SPEC, rows, workers=2, capacity_mb=1e-6, shm_prefix=prefix, max_worker_restarts=0,
+                           stall_timeout_s=2)
+    got = []
+    for sample in server:
+        got.append(sample.row_id)
+        if len(got) == 2:  # one that has loaded the target (a worker still loading gets load_timeout_s)
+            loaded = next(w for w, s in server.stats()["per_worker"].items() if s["samples"])
+            hung = server.worker_pids()[loaded]
+            os.kill(hung, signal.SIGSTOP)
+    stats = server.stats()
+    assert sorted(got) == sorted(r.row_id for r in rows)  # nothing lost, nothing twice
+    assert stats["workers_stalled"] == stats["workers_died"] == 1 and stats["rows_reissued"] >= 1
+    assert f"(pid {hung}) sent nothing for 2 s while the trainer waited" in caplog.text
+    assert "feature_server.stall_timeout_s=2" in caplog.text
+    assert not os.path.exists(f"/proc/{hung}") and segment_paths(prefix) == []
+
+
+@pytest.mark.slow  # waits out a 20 s load timeout
+@pytest.mark.timeout(180)
+def test_worker_hung_while_loading_is_replaced(target, request, caplog):
+    rows = _rows(4)
+    prefix = _prefix(request)
+    server = FeatureServer(target, SPEC, rows, workers=1, shm_prefix=prefix, max_worker_restarts=1, load_timeout_s=20)
+    server.start()
+    hung = server.worker_pids()[0]
+    os.kill(hung, signal.SIGSTOP)  # spawned a moment ago: still importing torch, long before its "ready"
+    got = [sample.row_id for sample in server]
+    assert sorted(got) == sorted(r.row_id for r in rows)
+    assert server.stats()["workers_stalled"] == 1 and server.stats()["workers_done"] == 1
+    assert "(loading the target; feature_server.load_timeout_s=20)" in caplog.text
+    assert segment_paths(prefix) == []
+
+
 def _ledger():
     rows = _rows(4)
     ledger = SampleLedger(SPEC, rows)

@@ -3,13 +3,13 @@
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from launch.sweep_summary import collect_rows, write_summary
+from tests.processes import run_bounded
 from tests.test_e2e import REPO, SMALL
 
 
@@ -45,7 +45,7 @@ def test_two_by_one_sweep_writes_summary(tmp_path, cache_dir, tiny_target):
            "target=tiny-llama", *small, "trainer.max_steps=2", "trainer.checkpoint_every=100",
            "logger=wandb", "logger.group=test-sweep", f"hydra.sweep.dir={sweep_dir}"]
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "WANDB_MODE": "online", "WANDB_API_KEY": ""}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_bounded(cmd, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     with open(sweep_dir / "sweep_summary.csv") as f:
