@@ -6,6 +6,7 @@ CUDA, gloo on CPU.
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,19 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
+# How long close() lets gloo's worker threads finish with their last collective before the group goes away.
+_SETTLE_S = 0.2
+
+
 def close(ctx: DistContext) -> None:
+    """Destroy the process group, after the last collective of this rank (safe to call twice).
+
+    gloo's worker thread releases a finished collective's tensors a moment after the caller's wait() returned, and
+    releasing a tensor that Python already dropped takes the GIL. The group's destructor, which runs when its last
+    owner (DDP's reducer, FSDP's mesh) is freed, joins those threads while holding the GIL. If it comes first,
+    both wait forever: seen on rank 1 of a 2-rank CPU run, whose last all-reduce was a few ms before its exit
+    (the thread stuck in take_gil inside ~AsyncAllreduceWork, the main thread in ~ProcessGroupGloo's join). A
+    sleep releases the GIL, so the threads finish first."""
     if ctx.enabled and dist.is_initialized():
+        time.sleep(_SETTLE_S)
         dist.destroy_process_group()

@@ -84,6 +84,12 @@ class Trainer:
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self) -> dict:
+        try:
+            return self._train()
+        finally:
+            distributed.close(self.dist)  # on errors too: a rank must exit, or the launcher waits for it
+
+    def _train(self) -> dict:
         state = self._resume()
         bar = tqdm(total=self.cfg.max_steps, initial=state.step, disable=not (self.cfg.progress and self.dist.is_main),
                    desc=f"train {self.meta['drafter']}", unit="step")
@@ -277,7 +283,6 @@ class Trainer:
             (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
             log.info("train rows skipped: %s", self.train_skips.summary())
             self.tracker.finish(metrics)
-        distributed.close(self.dist)
         return metrics
 
     def _summed_over_ranks(self, state: TrainState) -> TrainState:
