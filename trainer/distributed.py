@@ -84,7 +84,7 @@ def barrier(ctx: DistContext) -> None:
 
 
 # How long close() lets gloo's worker threads finish with their last collective before the group goes away.
-_SETTLE_S = 0.2
+_SETTLE_S = 1.0
 
 
 def close(ctx: DistContext) -> None:
@@ -95,7 +95,7 @@ def close(ctx: DistContext) -> None:
     owner (DDP's reducer, FSDP's mesh) is freed, joins those threads while holding the GIL. If it comes first,
     both wait forever: seen on rank 1 of a 2-rank CPU run, whose last all-reduce was a few ms before its exit
     (the thread stuck in take_gil inside ~AsyncAllreduceWork, the main thread in ~ProcessGroupGloo's join). A
-    sleep releases the GIL, so the threads finish first."""
+    sleep releases the GIL, so the threads finish first; 1 s, because on busy cores a thread can wait long to run."""
     if ctx.enabled and dist.is_initialized():
         time.sleep(_SETTLE_S)
         dist.destroy_process_group()
