@@ -393,6 +393,10 @@ class FeatureServer:
                 self._worker_died(w, f"feature worker {w} (pid {self._procs[w].pid}) sent nothing for "
                                      f"{silent_s:.0f} s while the trainer waited ({doing}; feature_server.{knob}="
                                      f"{limit:g}), so it was killed as hung")
+                # Its death frees what it held and hands its rows on: the others' silence counts from now.
+                for other in self._live:
+                    self._heard[other] = time.monotonic()
+                return
 
     def _worker_died(self, w: int, why: str | None = None) -> None:
         p = self._procs[w]

@@ -1,6 +1,7 @@
 """FeatureServer with real spawned HF workers on a tiny random Llama: delivery, sharding, faults, errors, cleanup."""
 
 import os
+import re
 import signal
 
 import pytest
@@ -162,7 +163,7 @@ def test_hung_worker_is_killed_and_its_rows_reissued_exactly_once(target, reques
     rows = _rows(16)
     prefix = _prefix(request)
     server = FeatureServer(target, SPEC, rows, workers=2, capacity_mb=1e-6, shm_prefix=prefix, max_worker_restarts=0,
-                           stall_timeout_s=2)
+                           stall_timeout_s=5)
     got = []
     for sample in server:
         got.append(sample.row_id)
@@ -173,8 +174,8 @@ def test_hung_worker_is_killed_and_its_rows_reissued_exactly_once(target, reques
     stats = server.stats()
     assert sorted(got) == sorted(r.row_id for r in rows)  # nothing lost, nothing twice
     assert stats["workers_stalled"] == stats["workers_died"] == 1 and stats["rows_reissued"] >= 1
-    assert f"(pid {hung}) sent nothing for 2 s while the trainer waited" in caplog.text
-    assert "feature_server.stall_timeout_s=2" in caplog.text
+    assert re.search(rf"\(pid {hung}\) sent nothing for \d+ s while the trainer waited", caplog.text)
+    assert "feature_server.stall_timeout_s=5" in caplog.text
     assert not os.path.exists(f"/proc/{hung}") and segment_paths(prefix) == []
 
 
