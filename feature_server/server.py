@@ -386,8 +386,7 @@ class FeatureServer:
             silent_s = now - max(self._heard[w], waiting_since)
             if silent_s > limit:
                 self._stalled.add(w)
-                _kill_group(self._procs[w].pid)
-                self._procs[w].kill()
+                self._procs[w].kill()  # _worker_died kills its process group (an engine it started) too
                 doing = f"{self._ledger.outstanding(w)} rows in flight" if loaded else "loading the target"
                 knob = "stall_timeout_s" if loaded else "load_timeout_s"
                 self._worker_died(w, f"feature worker {w} (pid {self._procs[w].pid}) sent nothing for "
