@@ -56,6 +56,11 @@ class Drafter(nn.Module, ABC):
     def feature_spec(self) -> FeatureSpec:
         """What this head needs from the target (the feature server reads only this)."""
 
+    def input_layer_ids(self) -> list[int]:
+        """The target layers the drafter reads as inputs (the rest of feature_spec() serves the target's own
+        distribution). Default: `target_layer_ids`."""
+        return list(self.target_layer_ids)
+
     @abstractmethod
     def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator) -> StepOutput:
         """Loss and metrics on one packed batch."""
@@ -69,15 +74,34 @@ class Drafter(nn.Module, ABC):
         """Write a directory the serving engine loads (speculators format or a target copy)."""
 
 
-def resolve_token_id(tokenizer, token: str, field_name: str) -> int:
-    """Id of a (special) token of the target's tokenizer, or an error saying which field to change."""
+def _token_id(tokenizer, token: str | None) -> int | None:
+    if not token:
+        return None
     token_id = tokenizer.convert_tokens_to_ids(token)
     if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
-        raise ValueError(
-            f"{field_name}={token!r} is not a token of the target's tokenizer; "
-            f"set {field_name} to one of its special tokens, e.g. {tokenizer.all_special_tokens[:12]}"
-        )
+        return None
     return token_id
+
+
+def choose_mask_token(tokenizer, vocab_size: int, configured: str, field_name: str) -> tuple[int, str]:
+    """(id, why) of the token block drafters put in their draft slots; its embedding comes from the target.
+
+    In order: the configured token, the tokenizer's own mask token, the first embedding row the tokenizer never
+    emits (tables are padded past the tokenizer: Qwen's 248,320 rows hold ~248k tokens), the pad token when it is
+    not eos, else the last token of the vocabulary. Any id works (the drafter learns the slot's meaning; vLLM
+    fills the slots with whatever `mask_token_id` the export names); a spare one just never collides with an
+    anchor."""
+    if (token_id := _token_id(tokenizer, configured)) is not None:
+        return token_id, f"{field_name}={configured!r}"
+    if (token_id := _token_id(tokenizer, tokenizer.mask_token)) is not None:
+        return token_id, f"the tokenizer's mask token {tokenizer.mask_token!r}"
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer), f"embedding row {len(tokenizer)}, which the tokenizer never emits"
+    pad = tokenizer.pad_token_id
+    if pad is not None and pad != tokenizer.eos_token_id:
+        return pad, f"the pad token {tokenizer.pad_token!r}"
+    last = min(len(tokenizer), vocab_size) - 1
+    return last, f"the last vocabulary id ({tokenizer.convert_ids_to_tokens(last)!r}; no spare token exists)"
 
 
 def sample_anchors(candidates_C: torch.Tensor, max_anchors: int, generator: torch.Generator) -> torch.Tensor:

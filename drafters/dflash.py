@@ -12,6 +12,7 @@ Suffixes: T packed tokens, N anchors, B block size, K = B-1 draft tokens, D hidd
 """
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +20,15 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from drafters.base import Drafter, StepOutput, export_dtype, resolve_token_id, sample_anchors, speculators_block
+from drafters.base import Drafter, StepOutput, choose_mask_token, export_dtype, sample_anchors, speculators_block
 from drafters.layers import QKVProjections, Rotary, SwiGLU, apply_rotary
 from feature_server.contract import FeatureSpec
 from kernels.attention import anchor_block_plan
 from kernels.logits import chunked_argmax, chunked_ce
 from trainer.batch import PackedBatch
 from trainer.target import RMSNorm, TargetHead, TargetInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -163,7 +166,11 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def build(cls, cfg: DFlashConfig, target: TargetInfo, tokenizer) -> "DFlashDrafter":
-        return cls(cfg, target, resolve_token_id(tokenizer, cfg.mask_token, "drafter.mask_token"))
+        mask_token_id, why = choose_mask_token(tokenizer, target.vocab_size, cfg.mask_token, "drafter.mask_token")
+        if not why.startswith("drafter.mask_token"):
+            log.warning("drafter.mask_token=%r is not a token of the target's tokenizer: the draft slots use id %d, "
+                        "%s (config.json mask_token_id of the export)", cfg.mask_token, mask_token_id, why)
+        return cls(cfg, target, mask_token_id)
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         """Variants (DSpark, DFlash 2) override this to wrap the shared layer."""

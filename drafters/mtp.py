@@ -178,6 +178,9 @@ class MTPDrafter(Drafter):
         # target distribution comes from it too.
         return FeatureSpec((self.target.num_hidden_layers,))
 
+    def input_layer_ids(self) -> list[int]:
+        return [self.target.num_hidden_layers]
+
     # --- forward -----------------------------------------------------------------------------------
     def fuse(self, head: TargetHead, tokens_N: torch.Tensor, hidden_ND: torch.Tensor) -> torch.Tensor:
         """fc over [norm(embedding) ; norm(hidden)]: vLLM concatenates the embedding first."""

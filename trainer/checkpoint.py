@@ -58,14 +58,16 @@ def rank_entry(state: TrainState, generator: torch.Generator) -> dict:
 
 
 def save_checkpoint(run_dir: Path, step: int, ranks: list[dict], drafter_state: dict, optimizer_state: dict,
-                    meta: dict, keep: int) -> Path:
-    """Rank 0 writes one file: the full drafter and optimizer states (trainer/parallel.py) and every rank's
-    entry (rank_entry), since each rank trains its own shard of the rows."""
+                    meta: dict, keep: int, validation: dict | None = None) -> Path:
+    """Rank 0 writes one file: the full drafter and optimizer states (trainer/parallel.py), every rank's
+    entry (rank_entry), since each rank trains its own shard of the rows, and rank 0's validation state (the
+    held-out curve and the best weights, trainer/validation.py)."""
     directory = checkpoint_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:08d}.pt"
     tmp = path.with_suffix(".pt.tmp")
-    payload = {"ranks": ranks, "drafter": drafter_state, "optimizers": optimizer_state, "meta": meta}
+    payload = {"ranks": ranks, "drafter": drafter_state, "optimizers": optimizer_state, "meta": meta,
+               "validation": validation}
     torch.save(payload, tmp)
     os.replace(tmp, path)
     for old in sorted(directory.glob("step_*.pt"))[:-keep] + list(directory.glob("step_*.pt.tmp")):
@@ -79,6 +81,7 @@ class Checkpoint:
     drafter: dict
     optimizers: dict
     ranks: list[dict]
+    validation: dict | None = None
 
     def rank_state(self, rank: int, world_size: int) -> tuple[TrainState, torch.Tensor | None]:
         """This rank's TrainState and RNG state. Saved by as many ranks as now run: each takes its own back (a
@@ -113,4 +116,4 @@ def load_checkpoint(path: Path, meta: dict) -> Checkpoint:
     if "ranks" not in payload:
         raise ValueError(f"{path}: a checkpoint from an older specdistill (no per-rank entries); start a new "
                          "hydra.run.dir")
-    return Checkpoint(path, payload["drafter"], payload["optimizers"], payload["ranks"])
+    return Checkpoint(path, payload["drafter"], payload["optimizers"], payload["ranks"], payload.get("validation"))

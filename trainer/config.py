@@ -24,6 +24,11 @@ class TrainerConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 10
-    eval_rows: int = 64  # held-out rows for tau_offline (0 = all)
+    eval_rows: int = 64  # held-out rows for tau_offline and validation (0 = all); as many training rows are probed
+    # Held-out acceptance every N steps (trainer/validation.py); 0 = at the end only; None = 5 points per run
+    # (max_steps // 5, at most every 500 steps). An N above max_steps is an error.
+    eval_every: int | None = None
+    export: str = "best"  # best: the weights with the best held-out tau | last: the final weights
+    feature_ablation: str = "none"  # none | zero | shuffle: the drafter's target states taken away (trainer/ablation.py)
     compile: bool = False  # torch.compile the drafter (GPU)
     progress: bool = True

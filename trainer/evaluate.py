@@ -45,6 +45,10 @@ class AcceptanceCounts:
     num_drafts: int = 0
     num_accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # Response positions walked, and those where the row's token is not the target's greedy one (greedy walks).
+    response_positions: int = 0
+    disagreements: int = 0
+    rows_too_short: int = 0  # responses of < 2 tokens: no draft step fits
 
     def __post_init__(self):
         self.accepted_per_pos = self.accepted_per_pos or [0] * self.K
@@ -59,6 +63,14 @@ class AcceptanceCounts:
         self.num_drafts += other.num_drafts
         self.num_accepted += other.num_accepted
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos, strict=True)]
+        self.response_positions += other.response_positions
+        self.disagreements += other.disagreements
+        self.rows_too_short += other.rows_too_short
+
+    @property
+    def disagreement_fraction(self) -> float:
+        """Fraction of walked response positions where the row is not the target's greedy continuation."""
+        return self.disagreements / max(1, self.response_positions)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -82,7 +94,8 @@ class AcceptanceCounts:
     def to_dict(self) -> dict:
         return {"tau": self.tau, "per_position": self.per_position, "conditional": self.conditional,
                 "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted": self.num_accepted, "accepted_per_pos": list(self.accepted_per_pos), "K": self.K}
+                "num_accepted": self.num_accepted, "accepted_per_pos": list(self.accepted_per_pos), "K": self.K,
+                "target_disagreement": self.disagreement_fraction, "rows_too_short": self.rows_too_short}
 
 
 @dataclass
@@ -245,20 +258,38 @@ def _(drafter: MTPDrafter, batch, head, anchors_N):
 
 
 # --- evaluation -------------------------------------------------------------------------------------------
+def target_tokens(sample_batch: PackedBatch, head, num_hidden_layers: int, start: int, end: int) -> list[int]:
+    """The row's tokens with response positions [start, end) replaced by the target's own greedy choice there
+    (argmax of its distribution from the layer-L state one position earlier): what the target emits, and so what
+    a serving engine verifies drafts against."""
+    last_TD = sample_batch.layers([num_hidden_layers])[:, 0]
+    tokens = sample_batch.input_ids_T.tolist()
+    start = max(start, 1)  # a row with no prompt: nothing predicts its first token
+    tokens[start:end] = head.argmax(last_TD[start - 1:end - 1]).tolist()
+    return tokens
+
+
 @torch.no_grad()
 def evaluate_sample(drafter, head, sample_batch: PackedBatch, counts: AcceptanceCounts, max_generated: int | None = None,
                     temperature: float = 0.0, draft_mode: str = "greedy", seed: int = 0) -> None:
     """Walk one row's response; with max_generated, stop after that many tokens (an engine's max_tokens)
-    and use the rest of the row as the target's tokens beyond it."""
+    and use the rest of the row as the target's tokens beyond it.
+
+    Greedy (T = 0) drafts are judged against the target's own greedy tokens (`target_tokens`), not the row's: the
+    two differ where the row was not written by this target greedily, and `counts.disagreements` says how often."""
     start, end = response_span(sample_batch.loss_mask_T)
     stop = end if max_generated is None else min(end, start + max_generated)
     if stop - start < 2:
+        counts.rows_too_short += 1
         return
     anchors_N = torch.arange(start, stop - 1, device=sample_batch.input_ids_T.device)
     drafts_NK = drafter.propose(sample_batch, head, anchors_N)
     if temperature <= 0:
-        walk(dict(zip(anchors_N.tolist(), drafts_NK.tolist())), sample_batch.input_ids_T.tolist(), start, stop, counts,
-             known_until=end)
+        greedy = target_tokens(sample_batch, head, drafter.target.num_hidden_layers, start, end)
+        row = sample_batch.input_ids_T.tolist()
+        counts.response_positions += end - start
+        counts.disagreements += sum(greedy[p] != row[p] for p in range(start, end))
+        walk(dict(zip(anchors_N.tolist(), drafts_NK.tolist())), greedy, start, stop, counts, known_until=end)
         return
     q_NKV = None
     if draft_mode == "sample":

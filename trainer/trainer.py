@@ -22,15 +22,21 @@ from feature_server.dataset import check_tokenizer_matches, load_rows
 from feature_server.server import FeatureServer, shard_rows
 from trainer.layout import cuda_device_count, plan_node
 from trainer import distributed, parallel
+from trainer.ablation import ablate, ablate_hidden, check_ablation
 from trainer.batch import PackedBatch, pack_stream
 from trainer.checkpoint import (SUMMED_OVER_RANKS, TrainState, latest_checkpoint, load_checkpoint, rank_entry,
                                 save_checkpoint)
 from trainer.config import TrainerConfig
-from trainer.evaluate import evaluate_report, stages_by_row_id
+from trainer.evaluate import stages_by_row_id
 from trainer.metrics import StepMetrics
 from trainer.optim import Optimizers
 from trainer.target import TargetHead, TargetInfo
 from trainer.tracking import Tracker
+from trainer.validation import ValidationState, Validator, check_eval_settings, resolve_eval_every, usable_heldout
+
+# Probe rows (training rows walked beside the held-out ones) get ids past any file's line count, so one feature
+# server can extract both sets without their row ids colliding in its exactly-once ledger.
+PROBE_ROW_OFFSET = 1 << 40
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,8 @@ class Trainer:
                                 cuda_device_count())
         if trainer_cfg.grad_accum < 1:
             raise ValueError(f"trainer.grad_accum={trainer_cfg.grad_accum}: need >= 1 pack per optimizer step")
+        check_eval_settings(trainer_cfg.eval_every or 0, trainer_cfg.max_steps, trainer_cfg.export)
+        self.eval_every = resolve_eval_every(trainer_cfg.eval_every, trainer_cfg.max_steps)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local_ranks != trainer_cfg.ranks:
             raise ValueError(f"trainer.ranks={trainer_cfg.ranks}, but {local_ranks} trainer processes run on this node; "
@@ -59,12 +67,18 @@ class Trainer:
         if not self.rows:
             raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
         self.heldout_rows, self.heldout_skips = (load_rows(heldout_path, tokenizer, max_tokens) if heldout_path else ([], None))
+        if heldout_path and not self.heldout_rows:
+            raise ValueError(f"{heldout_path}: no usable held-out row ({self.heldout_skips.summary()}); held-out "
+                             "rows need response tokens (loss_mask 1) and must fit trainer.token_budget")
+        self.heldout_rows = usable_heldout(self.heldout_rows, heldout_path)
         self.heldout_path = heldout_path
         self._drafter_cfg, self._tokenizer = drafter_cfg, tokenizer  # _new_drafter rebuilds it after fsdp
         self.drafter = self._new_drafter()
         self.head = TargetHead(self.target).to(self.dist.device)
         self.spec = replace(self.drafter.feature_spec(), hidden_dtype=server_cfg.hidden_dtype)
         self.spec.check_against(self.target.num_hidden_layers)
+        self.input_layer_ids = self.drafter.input_layer_ids()
+        check_ablation(trainer_cfg.feature_ablation, self.input_layer_ids, self.target.num_hidden_layers)
         _check_feature_capacity(server_cfg, self.layout.workers_per_rank, trainer_cfg.token_budget, self.spec,
                                 self.target.hidden_size)
         self.model = parallel.wrap(self.drafter, trainer_cfg.parallel, self.dist)
@@ -77,6 +91,7 @@ class Trainer:
                      "model_type": self.target.model_type}
         self.window = StepMetrics(self.drafter.num_speculative_tokens)
         self.totals = StepMetrics(self.drafter.num_speculative_tokens)
+        self.since_validation = StepMetrics(self.drafter.num_speculative_tokens)  # the train side of each point
         # Stable per run and rank, so a crashed run's leftover segments are swept when it resumes.
         run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
         self.shm_prefix = f"specdistill_{run_key}_r{self.dist.rank}"
@@ -91,9 +106,21 @@ class Trainer:
 
     def _train(self) -> dict:
         state = self._resume()
+        self.validator = self._make_validator()
         bar = tqdm(total=self.cfg.max_steps, initial=state.step, disable=not (self.cfg.progress and self.dist.is_main),
                    desc=f"train {self.meta['drafter']}", unit="step")
         steps = self._step_groups(state)
+        try:
+            self._loop(state, steps, bar)
+        finally:
+            steps.close()  # ends the epoch in progress (on errors too): its feature server stops, its counts are kept
+        bar.close()
+        if self._curve_ends_before(state.step):
+            self._validate(state)  # the final weights are candidates for the export too
+        self._save(state)
+        return self._finish(state)
+
+    def _loop(self, state: TrainState, steps, bar) -> None:
         while state.step < self.cfg.max_steps:
             waited = time.perf_counter()
             micro = next(steps, None)
@@ -106,15 +133,14 @@ class Trainer:
                 break
             self._step(micro, state)
             bar.update(1)
-            bar.set_postfix(loss=f"{state.last_loss:.3f}", tau=f"{self.window.tau_estimate:.2f}")
+            train_tau = self.window.tau_estimate  # before _log starts a new window
             if state.step % self.cfg.log_every == 0:
                 self._log(state)
+            if self.eval_every and state.step % self.eval_every == 0:
+                self._validate(state)
+            bar.set_postfix(loss=f"{state.last_loss:.3f}", tau=f"{train_tau:.2f}", heldout_tau=self._last_heldout_tau())
             if state.step % self.cfg.checkpoint_every == 0:
                 self._save(state)
-        steps.close()  # ends the epoch in progress: its feature server stops, its counts are kept
-        bar.close()
-        self._save(state)
-        return self._finish(state)
 
     def _step_groups(self, state: TrainState):
         """This rank's optimizer steps' worth of packs (trainer.grad_accum each), epoch after epoch, one feature
@@ -153,7 +179,8 @@ class Trainer:
         self.optimizers.set_step(state.step)
         losses = []
         for i, batch in enumerate(micro):
-            batch = batch.to(self.dist.device, torch.float32)
+            batch = ablate(batch.to(self.dist.device, torch.float32), self.cfg.feature_ablation, self.input_layer_ids,
+                           self.generator)
             last = i == len(micro) - 1
             # Gradients are reduced over the ranks once, on the last micro-batch.
             with parallel.gradient_sync(self.model, self.cfg.parallel, self.dist, sync=last):
@@ -167,6 +194,7 @@ class Trainer:
             self._count_batch(batch, state)
             self.window.add(out)
             self.totals.add(out)
+            self.since_validation.add(out)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.optimizers.step()
         self.optimizers.zero_grad()
@@ -208,9 +236,11 @@ class Trainer:
 
     def _resume(self) -> TrainState:
         path = latest_checkpoint(self.run_dir)
+        self.validation = ValidationState()
         if path is None:
             return TrainState()
         ckpt = load_checkpoint(path, self.meta)
+        self.validation = ValidationState.from_checkpoint(ckpt.validation)
         parallel.load_model_state(self.drafter, ckpt.drafter)
         parallel.load_optimizer_state(self.drafter, self.optimizers.optimizers, ckpt.optimizers)
         state, generator_state = ckpt.rank_state(self.dist.rank, self.dist.world_size)
@@ -227,7 +257,7 @@ class Trainer:
         ranks = distributed.gather_objects(rank_entry(state, self.generator), self.dist)
         if self.dist.is_main:
             save_checkpoint(self.run_dir, state.step, ranks, drafter_state, optimizer_state, self.meta,
-                            self.cfg.keep_checkpoints)
+                            self.cfg.keep_checkpoints, self.validation.to_checkpoint())
         distributed.barrier(self.dist)
 
     def _log(self, state: TrainState) -> None:
@@ -240,16 +270,76 @@ class Trainer:
                      record["accuracy_per_position"][0], record["tau_estimate"])
         self.window = StepMetrics(self.drafter.num_speculative_tokens)
 
+    # --- validation --------------------------------------------------------------------------------
+    def _make_validator(self) -> Validator | None:
+        """Rank 0: the held-out rows and as many training rows, extracted once (one feature server, before the
+        first epoch's) and kept for every evaluation."""
+        if not self.dist.is_main:
+            return None
+        heldout = self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows
+        if not heldout:
+            log.warning("no held-out rows: tau_offline and the held-out curve are not measured")
+            return None
+        probe = [replace(r, row_id=PROBE_ROW_OFFSET + r.row_id) for r in self.rows[: len(heldout)]]
+        held, probed = [], []
+        ablation_rng = torch.Generator().manual_seed(self.cfg.seed)  # evaluated on what it was trained on
+        with self._server(heldout + probe, sharded=False) as server:
+            for s in server:  # cloned: holding views would pin the worker's ring
+                hidden = ablate_hidden(s.hidden_TLD.clone(), self.spec.layer_ids, self.cfg.feature_ablation,
+                                       self.input_layer_ids, ablation_rng)
+                own = replace(s, input_ids_T=s.input_ids_T.clone(), loss_mask_T=s.loss_mask_T.clone(), hidden_TLD=hidden)
+                if own.row_id >= PROBE_ROW_OFFSET:
+                    probed.append(replace(own, row_id=own.row_id - PROBE_ROW_OFFSET))
+                else:
+                    held.append(own)
+        held.sort(key=lambda s: s.row_id)
+        probed.sort(key=lambda s: s.row_id)
+        return Validator(held, probed, self.spec.layer_ids, self.dist.device, self.validation,
+                         stages_by_row_id(self.heldout_path))
+
+    def _validate(self, state: TrainState) -> None:
+        drafter = self._unsharded_drafter()  # a collective under fsdp: every rank calls it
+        if not self.dist.is_main or self.validator is None:
+            return
+        point = self.validator.run(drafter, self.head, state.step, state.train_tokens,
+                                   self.since_validation.tau_estimate)
+        self.since_validation = StepMetrics(self.drafter.num_speculative_tokens)
+        log.info("step %d held-out tau %.3f (a_1 %.3f), on training rows %s, best %.3f at step %d", state.step,
+                 point["heldout_tau"], point["heldout_per_position"][0],
+                 "n/a" if point["train_rows_tau"] is None else f"{point['train_rows_tau']:.3f}",
+                 self.validation.best_tau, self.validation.best_step)
+        self.tracker.log({"step": state.step, **{f"heldout/{k}": v for k, v in point.items() if k != "step"}})
+
+    def _curve_ends_before(self, step: int) -> bool:
+        curve = self.validation.curve
+        return self.validator is not None and (not curve or curve[-1]["step"] < step)
+
+    def _last_heldout_tau(self) -> str:
+        curve = self.validation.curve
+        return f"{curve[-1]['heldout_tau']:.2f}" if curve else "-"
+
+    def _export_drafter(self, drafter):
+        """The drafter whose weights are exported: the best held-out ones (trainer.export=best) or the last."""
+        best = self.validation.best_weights
+        if self.cfg.export != "best" or best is None:
+            return drafter, {"policy": self.cfg.export, "step": None, "heldout_tau": None}
+        chosen = self._new_drafter()
+        chosen.load_state_dict(best)
+        return chosen, {"policy": "best", "step": self.validation.best_step, "heldout_tau": self.validation.best_tau}
+
     def _finish(self, state: TrainState) -> dict:
         metrics = {}
         state = self._summed_over_ranks(state)
         drafter = self._unsharded_drafter()
         if self.dist.is_main:
             export_dir = self.run_dir / "export"
+            drafter, selected = self._export_drafter(drafter)
+            selected["step"] = selected["step"] or state.step
             drafter.export(export_dir, self.target)
             eval_started = time.perf_counter()
-            report = self._evaluate(drafter)
+            report = self.validator.report(drafter, self.head) if self.validator else None
             counts = report.total if report else None
+            curve = self.validation.curve
             metrics = {
                 "drafter": self.meta["drafter"],
                 "target": str(self.target.path),
@@ -264,6 +354,11 @@ class Trainer:
                 "per_position_acceptance": counts.per_position if counts else None,
                 "conditional_acceptance": counts.conditional if counts else None,
                 "heldout_drafts": counts.num_drafts if counts else 0,
+                "heldout_target_disagreement": counts.disagreement_fraction if counts else None,
+                "heldout_rows_too_short": counts.rows_too_short if counts else 0,
+                "heldout_curve": curve,
+                "train_vs_heldout_gap": curve[-1]["gap"] if curve else None,
+                "export_selected": selected,
                 "acceptance_by_stage": ({s: c.to_dict() for s, c in sorted(report.by_stage.items())}
                                         if report else None),
                 "num_speculative_tokens": self.drafter.num_speculative_tokens,
@@ -312,16 +407,6 @@ class Trainer:
         drafter = build_drafter(self._drafter_cfg, self.target, self._tokenizer)
         drafter.prepare(self.rows)
         return drafter.to(self.dist.device)
-
-    def _evaluate(self, drafter):
-        rows = self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows
-        if not rows:
-            log.warning("no held-out rows: tau_offline is not measured")
-            return None
-        stages = stages_by_row_id(self.heldout_path)
-        with self._server(rows, sharded=False) as server:  # streamed: counts do not depend on order
-            return evaluate_report(drafter, self.head, server, self.spec.layer_ids, self.dist.device,
-                                   torch.float32, stages=stages)
 
 
 def _grouped(packs, n: int):

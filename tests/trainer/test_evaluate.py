@@ -189,6 +189,14 @@ def test_stages_by_row_id_counts_blank_lines_and_names_bad_fields(tmp_path):
         stages_by_row_id(path)
 
 
+def _make_rows_the_targets_greedy(sample, head, last):
+    """Drafts are judged against the target's argmax: point its last-layer state at p-1 to the row's token at p
+    (the drafter does not read layer L, so its drafts stay the same)."""
+    rows_V = head.lm_head.weight
+    sample.hidden_TLD[:-1, last] = rows_V[sample.input_ids_T[1:]] * 10
+    assert torch.equal(head.argmax(sample.hidden_TLD[:-1, last]), sample.input_ids_T[1:])
+
+
 def test_report_by_stage_sums_to_the_total_and_is_seeded_per_row(tiny_llama_dir):
     from trainer.target import TargetHead
 
@@ -208,6 +216,7 @@ def test_report_by_stage_sums_to_the_total_and_is_seeded_per_row(tiny_llama_dir)
         batch.position_ids_T = torch.arange(30)
         for a in range(10, 27, 4):
             s.input_ids_T[a + 1:a + 4] = drafter.propose(batch, head, torch.tensor([a]))[0]
+        _make_rows_the_targets_greedy(s, head, layer_ids.index(info.num_hidden_layers))
     stages = {0: "x", 1: "y", 2: "x"}
     args = (drafter, head, samples, layer_ids, torch.device("cpu"), torch.float32)
     greedy = evaluate_report(*args, stages=stages)

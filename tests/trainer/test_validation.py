@@ -1,0 +1,98 @@
+"""Held-out acceptance during training (trainer/validation.py), the best-weights export, feature ablation, and the
+bad inputs of validation: eval intervals, all-prompt and too-short held-out sets."""
+
+import json
+
+import pytest
+import torch
+
+from drafters import DRAFTERS
+from feature_server.config import FeatureServerConfig
+from launch.config import DataConfig
+from launch.prepare import resolve_data
+from trainer.ablation import ablate_hidden, check_ablation
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.config import TrainerConfig
+from trainer.trainer import Trainer
+from trainer.validation import check_eval_settings, resolve_eval_every
+
+
+@pytest.fixture(scope="module")
+def data(tiny_target, cache_dir):
+    target = tiny_target("tiny-llama")
+    train, heldout = resolve_data(DataConfig(rows=12, heldout_rows=3, prompt_tokens=60, max_new_tokens=12), target,
+                                  cache_dir)
+    return target, train, heldout
+
+
+def _trainer(data, run_dir, **overrides):
+    target, train, heldout = data
+    drafter_cfg = DRAFTERS["dflash"][0](num_layers=1, max_anchors=32, block_size=4)
+    cfg = dict(max_steps=6, ranks=1, device="cpu", token_budget=512, progress=False, checkpoint_every=3,
+               eval_every=2, eval_rows=3, lr=3e-3, muon_lr=0.02)
+    cfg.update(overrides)
+    run_dir.mkdir(parents=True, exist_ok=True)  # launch.train's Hydra makes it
+    return Trainer(drafter_cfg, TrainerConfig(**cfg), FeatureServerConfig(workers=1), run_dir, target, train, heldout)
+
+
+@pytest.mark.slow
+def test_held_out_curve_best_export_and_resume_keep_the_best(data, tmp_path):
+    trainer = _trainer(data, tmp_path / "run")
+    metrics = trainer.train()
+    curve = metrics["heldout_curve"]
+    assert [p["step"] for p in curve] == [2, 4, 6]
+    for point in curve:
+        assert point["train_rows_tau"] is not None and point["gap"] == pytest.approx(
+            point["train_rows_tau"] - point["heldout_tau"])
+    best = max(curve, key=lambda p: p["heldout_tau"])  # ties: the first (strictly better replaces)
+    assert metrics["export_selected"] == {"policy": "best", "step": best["step"], "heldout_tau": best["heldout_tau"]}
+    assert metrics["tau_offline"] == pytest.approx(best["heldout_tau"])  # the exported weights, re-walked
+    saved = load_checkpoint(latest_checkpoint(tmp_path / "run"), trainer.meta)
+    assert saved.validation["best_step"] == best["step"] and saved.validation["curve"] == curve
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "heldout/heldout_tau" in r] == [2, 4, 6]
+    # A run resumed from its step-3 checkpoint knows the step-2 point and continues the same curve.
+    (tmp_path / "run" / "checkpoints" / "step_00000006.pt").unlink()
+    resumed = _trainer(data, tmp_path / "run").train()
+    assert [p["step"] for p in resumed["heldout_curve"]] == [2, 4, 6]
+    assert resumed["heldout_curve"][0] == curve[0]
+
+
+def test_eval_settings_fail_clearly():
+    with pytest.raises(ValueError, match=r"trainer.eval_every=500 is larger than trainer.max_steps=200"):
+        check_eval_settings(500, 200, "best")
+    with pytest.raises(ValueError, match=r"trainer.export='final'; valid: best, last"):
+        check_eval_settings(10, 200, "final")
+    assert resolve_eval_every(None, 200) == 40 and resolve_eval_every(None, 3) == 1
+    assert resolve_eval_every(None, 10**6) == 500 and resolve_eval_every(0, 200) == 0
+
+
+@pytest.mark.slow
+def test_held_out_rows_that_are_all_prompt_or_too_short_fail_naming_the_file(data, tmp_path):
+    target, train, _ = data
+    rows = [json.loads(line) for line in open(train)][:3]
+    all_prompt = tmp_path / "all_prompt.jsonl"
+    all_prompt.write_text("".join(json.dumps({**r, "loss_mask": [0] * len(r["loss_mask"])}) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=rf"{all_prompt}: no usable held-out row .*no_response_tokens=3"):
+        _trainer((target, train, all_prompt), tmp_path / "a")
+    one_token = tmp_path / "one_token.jsonl"
+    one_token.write_text("".join(json.dumps({**r, "loss_mask": [0] * (len(r["loss_mask"]) - 1) + [1]}) + "\n"
+                                 for r in rows))
+    with pytest.raises(ValueError, match=rf"{one_token}: no held-out row has a response of >= 2 tokens"):
+        _trainer((target, train, one_token), tmp_path / "b")
+
+
+def test_ablation_takes_the_inputs_away_and_keeps_the_labels():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 3, 4, generator=g)
+    layer_ids = (1, 2, 4)
+    zero = ablate_hidden(hidden, layer_ids, "zero", [1, 2], g)
+    assert zero[:, :2].abs().sum() == 0 and torch.equal(zero[:, 2], hidden[:, 2])
+    shuffled = ablate_hidden(hidden, layer_ids, "shuffle", [1, 2], g)
+    assert torch.equal(shuffled[:, 2], hidden[:, 2]) and not torch.equal(shuffled[:, 0], hidden[:, 0])
+    assert torch.equal(shuffled[:, 0].sort(0).values, hidden[:, 0].sort(0).values)  # the same states, moved
+    assert ablate_hidden(hidden, layer_ids, "none", [1, 2], g) is hidden
+    with pytest.raises(ValueError, match="reads layer 4"):
+        check_ablation("zero", [4], 4)
+    with pytest.raises(ValueError, match="valid: none, zero, shuffle"):
+        check_ablation("noise", [1], 4)
