@@ -22,6 +22,8 @@ from torch import nn
 
 from drafters.base import Drafter, StepOutput, choose_mask_token, export_dtype, sample_anchors, speculators_block
 from drafters.layers import QKVProjections, Rotary, SwiGLU, apply_rotary
+from drafters import vllm_groups
+from drafters.target_init import init_layers_from_target
 from feature_server.contract import FeatureSpec
 from kernels.attention import anchor_block_plan
 from kernels.logits import chunked_argmax, chunked_ce
@@ -36,7 +38,7 @@ class DFlashConfig:
     """Production defaults (field report): 5 layers, 5 target layers, window 2048, 1024 anchors, block 8."""
 
     name: str = "dflash"
-    num_layers: int = 5
+    num_layers: int | None = None  # None: 5, or fewer where vLLM cannot serve 5 next to the target (served_layers)
     block_size: int = 8
     target_layer_ids: list[int] | None = None  # None: spread num_target_layers over depth
     num_target_layers: int = 5
@@ -55,6 +57,7 @@ class DFlashConfig:
     decay_gamma: float = 4.0  # exp_decay: draft slot j (0-based) weighs exp(-j / gamma)
     mask_token: str = "<|mask|>"  # its embedding comes from the target
     attention_impl: str = "auto"  # auto (CUDA: compiled flex; CPU: chunked SDPA) | flex | chunked | reference
+    init_from_target: bool = False  # decoder layers start as the target's top layers (drafters/target_init.py)
 
 
 def spread_layer_ids(num_hidden_layers: int, n: int) -> list[int]:
@@ -156,13 +159,16 @@ class DFlashDrafter(Drafter):
         FeatureSpec(tuple(self.target_layer_ids)).check_against(target.num_hidden_layers)
         D = target.hidden_size
         self.shape = LayerShape.of(cfg, target)
+        num_layers, self.served_attention = served_layers(cfg, target, self.shape)
         self.rope_theta = cfg.rope_theta or target.rope_theta
         self.fc = nn.Linear(len(self.target_layer_ids) * D, D, bias=False)
         self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(num_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary = Rotary(self.shape.head_dim, self.rope_theta)
         self.apply(_init_linear)
+        if cfg.init_from_target:
+            init_layers_from_target(self.layers, target)
 
     @classmethod
     def build(cls, cfg: DFlashConfig, target: TargetInfo, tokenizer) -> "DFlashDrafter":
@@ -239,7 +245,8 @@ class DFlashDrafter(Drafter):
     # --- export ------------------------------------------------------------------------------------
     def speculators_config(self, target: TargetInfo) -> dict:
         cfg, n = self.cfg, len(self.layers)
-        layer_type = "sliding_attention" if cfg.sliding_window else "full_attention"
+        sliding = self.served_attention == "sliding"
+        layer_type = "sliding_attention" if sliding else "full_attention"
         return {
             "architectures": [self.architecture],
             "speculators_model_type": self.speculators_model_type,
@@ -258,8 +265,8 @@ class DFlashDrafter(Drafter):
                 "attention_bias": False,
                 "max_position_embeddings": target.max_position_embeddings,
                 "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-                "use_sliding_window": cfg.sliding_window is not None,
-                "sliding_window": cfg.sliding_window,
+                "use_sliding_window": sliding,
+                "sliding_window": cfg.sliding_window if sliding else None,
                 "max_window_layers": 0,
                 "layer_types": [layer_type] * n,
                 "tie_word_embeddings": False,
@@ -283,6 +290,49 @@ class DFlashDrafter(Drafter):
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
         save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
         (out_dir / "config.json").write_text(json.dumps(self.speculators_config(target), indent=2) + "\n")
+
+
+DEFAULT_NUM_LAYERS = 5  # the field report's DFlash
+
+
+def served_layers(cfg: DFlashConfig, target: TargetInfo, shape: LayerShape) -> tuple[int, str]:
+    """(number of layers, "sliding" | "full"): the drafter vLLM 0.32 can serve next to this target.
+
+    Its layers must share one KV-cache group (drafters/vllm_groups.py). Sliding-window layers are exported as
+    trained when they do; otherwise as full attention, which computes the same for contexts up to the window
+    (training rows longer than the window are the only difference); a window as long as the target's context is
+    full attention anyway. num_layers=None takes DEFAULT_NUM_LAYERS, or
+    the most vLLM can group; an explicit count that vLLM cannot group fails here, before any training."""
+    target_specs = vllm_groups.target_specs(target.layer_types, target.num_key_value_heads, target.head_dim,
+                                            getattr(target, "sliding_window", None))
+    full = vllm_groups.attention_spec("full", shape.num_kv_heads, shape.head_dim)
+    # A window that covers the target's whole context is full attention: export it as such (one KV-cache group
+    # with any full-attention target).
+    windowed = cfg.sliding_window is not None and cfg.sliding_window < target.max_position_embeddings
+    kinds = ([("sliding", vllm_groups.attention_spec("sliding", shape.num_kv_heads, shape.head_dim,
+                                                     cfg.sliding_window))] if windowed else [])
+    kinds.append(("full", full))
+    n = cfg.num_layers or DEFAULT_NUM_LAYERS
+    for kind, spec in kinds:
+        if vllm_groups.drafter_in_one_group(target_specs, [spec] * n):
+            if kind == "full" and windowed:
+                log.warning("DFlash: vLLM cannot place %d sliding-window layers next to this target in one KV-cache "
+                            "group; the export serves them as full attention, identical for contexts up to "
+                            "drafter.sliding_window=%d tokens (docs/vllm.md)", n, cfg.sliding_window)
+            return n, kind
+    most = vllm_groups.max_layers_in_one_group(target_specs, full)
+    if cfg.num_layers is None:
+        log.warning("DFlash: %d layers cannot share one vLLM KV-cache group next to this target (%s); using %d "
+                    "full-attention layers (docs/vllm.md)", n, _layer_summary(target), most)
+        return most, "full"
+    raise ValueError(f"drafter.num_layers={n}: vLLM 0.32 cannot serve {n} DFlash layers next to this target "
+                     f"({_layer_summary(target)}): they would not share one KV-cache group (docs/vllm.md, \"KV-cache "
+                     f"groups\"); set drafter.num_layers <= {most}, or leave it unset to pick that")
+
+
+def _layer_summary(target: TargetInfo) -> str:
+    counts = {t: target.layer_types.count(t) for t in dict.fromkeys(target.layer_types)}
+    return ", ".join(f"{n} {t}" for t, n in counts.items())
 
 
 def block_metrics(loss: torch.Tensor, correct_NK: torch.Tensor, valid_NK: torch.Tensor) -> StepOutput:

@@ -9,8 +9,14 @@ import json
 from pathlib import Path
 
 from launch.config import DataConfig, TargetConfig
-from launch.targets import ensure_target
+from launch.corpus_workload import CorpusWorkload, make_corpus_workload
+from launch.small_real import ASSET_DIR as SMALL_REAL_DIR
+from launch.targets import TINY_TARGETS, ensure_target
 from launch.make_workload import make_workload
+
+# Targets committed to the repository (name -> checkpoint dir), beside the tiny ones built on first use.
+COMMITTED_TARGETS = {"small-real": SMALL_REAL_DIR}
+DATA_SOURCES = ("synthetic", "corpus", "jsonl")
 
 
 def resolve_target(cfg: TargetConfig, cache_dir: Path) -> Path:
@@ -21,6 +27,15 @@ def resolve_target(cfg: TargetConfig, cache_dir: Path) -> Path:
         return path
     if not cfg.name:
         raise ValueError("set target=NAME (a tiny target) or target.path=DIR (a local HF checkpoint)")
+    if cfg.name in COMMITTED_TARGETS:
+        path = COMMITTED_TARGETS[cfg.name]
+        if not (path / "model.safetensors").is_file():
+            raise FileNotFoundError(f"target={cfg.name}: {path}/model.safetensors is missing from this checkout; "
+                                    f"rebuild it with `python -m launch.make_target {cfg.name} {path}`")
+        return path
+    if cfg.name not in TINY_TARGETS:
+        raise ValueError(f"unknown target {cfg.name!r}; valid names: "
+                         f"{', '.join([*COMMITTED_TARGETS, *TINY_TARGETS])} (or target.path=DIR)")
     return ensure_target(cfg.name, cache_dir / "targets")
 
 
@@ -38,13 +53,20 @@ def resolve_data(cfg: DataConfig, target_dir: Path, cache_dir: Path) -> tuple[Pa
             raise ValueError("data=jsonl needs data.train_path=FILE.jsonl (and usually data.heldout_path)")
         heldout = Path(cfg.heldout_path) if cfg.heldout_path else None
         return Path(cfg.train_path), heldout
-    if cfg.source != "synthetic":
-        raise ValueError(f"data.source={cfg.source!r}; valid: synthetic, jsonl")
-    key = json.dumps([target_fingerprint(target_dir), cfg.rows, cfg.heldout_rows, cfg.prompt_tokens,
-                      cfg.max_new_tokens, cfg.seed])
+    if cfg.source not in DATA_SOURCES:
+        raise ValueError(f"data.source={cfg.source!r}; valid: {', '.join(DATA_SOURCES)}")
+    settings = [cfg.rows, cfg.heldout_rows, cfg.prompt_tokens, cfg.max_new_tokens, cfg.seed]
+    if cfg.source == "corpus":  # the backend is left out: both give the same greedy rows (tests/launch/test_generate.py)
+        settings = ["corpus", *settings, cfg.prompt_min_tokens]
+    key = json.dumps([target_fingerprint(target_dir), *settings])
     out_dir = cache_dir / "workloads" / hashlib.sha256(key.encode()).hexdigest()[:12]
     train, heldout = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
     if train.is_file() and heldout.is_file():
         return train, heldout
+    if cfg.source == "corpus":
+        return make_corpus_workload(target_dir, out_dir, CorpusWorkload(
+            rows=cfg.rows, heldout_rows=cfg.heldout_rows, prompt_min_tokens=cfg.prompt_min_tokens,
+            prompt_max_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+            backend=cfg.generation_backend))
     return make_workload(target_dir, out_dir, rows=cfg.rows, heldout=cfg.heldout_rows,
                          prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)

@@ -47,6 +47,7 @@ class TargetInfo:
     head_dim: int
     intermediate_size: int | None  # dense MLP width; None for pure-MoE targets
     quantization: str | None = None  # "fp8" for FP8 checkpoints (decoder weights only; see _open_tensor)
+    layer_types: tuple[str, ...] = ()  # transformers' per-layer attention types (full_attention, linear_attention)
 
     @classmethod
     def load(cls, path: str | Path) -> "TargetInfo":
@@ -81,6 +82,7 @@ class TargetInfo:
             head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
             intermediate_size=text.get("intermediate_size"),
             quantization=(raw.get("quantization_config") or text.get("quantization_config") or {}).get("quant_method"),
+            layer_types=tuple(text.get("layer_types") or ("full_attention",) * text["num_hidden_layers"]),
         )
 
 
@@ -140,6 +142,14 @@ def _dequantize(path: Path, name: str, q: torch.Tensor, f) -> torch.Tensor:
 
 def _names(suffix: str) -> tuple[str, ...]:
     return (f"model.{suffix}", f"model.language_model.{suffix}", suffix)
+
+
+def read_tensor(info: TargetInfo, suffix: str) -> torch.Tensor | None:
+    """A decoder tensor by its name under the model (e.g. "layers.3.mlp.up_proj.weight"), or None if absent."""
+    try:
+        return _open_tensor(info.path, _names(suffix))
+    except KeyError:
+        return None
 
 
 class TargetHead(nn.Module):

@@ -127,3 +127,22 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, causal_i
             batch.position_ids_T[None], max_anchors=n_valid)
         ours = head.lm_head(drafter.block_hidden(batch, head, anchors)).reshape(1, -1, info.vocab_size)
     assert (ours - ref_logits).abs().max() <= 1e-4
+
+
+def test_mask_token_is_chosen_when_the_configured_one_is_missing():
+    from drafters.base import choose_mask_token
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"a": 0, "b": 1, "<pad>": 2, "</s>": 3}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>")
+    assert choose_mask_token(tok, 4, "b", "drafter.mask_token") == (1, "drafter.mask_token='b'")
+    # no such token: an embedding row past the tokenizer's vocabulary, which it never emits
+    assert choose_mask_token(tok, 8, "<|mask|>", "drafter.mask_token")[0] == 4
+    # no spare row: the pad token (it is not eos)
+    assert choose_mask_token(tok, 4, "<|mask|>", "drafter.mask_token") == (2, "the pad token '<pad>'")
+    tok.pad_token = "</s>"  # pad is eos: the last id
+    token_id, why = choose_mask_token(tok, 4, "<|mask|>", "drafter.mask_token")
+    assert token_id == 3 and "no spare token" in why

@@ -1,0 +1,139 @@
+"""Drafter quality on the realistic target (a benchmark, not a test):
+
+    python bench/quality.py [--quick] [--drafters dflash,dflash2,dspark,eagle3] [--out outputs/quality]
+
+For each drafter, on `target=small-real` (launch/small_real.py) with `data=corpus` (self-distilled rows: real text
+prompts, the target's greedy continuations), it runs the main job twice through the CLI, as a user would:
+  real      `python -m launch.train drafter=NAME target=small-real data=corpus` with the defaults, bounded by steps
+  ablation  the same with `trainer.feature_ablation=zero` (the drafter's target states replaced by zeros)
+and reads each run's metrics.json: held-out tau and a_k (the exported weights, walked on the held-out rows as vLLM
+would serve them) and the held-out curve. The model-free baselines run on the same held-out rows: a bigram table
+counted over the training rows, and prompt-lookup n-grams (bench/baselines.py). A PNG of held-out tau against
+training tokens goes to OUT/quality.png, the table to OUT/quality.json. Last lines, exactly:
+  tau_<drafter>: X           for each drafter
+  ablation_tau_<drafter>: X  for each drafter
+  bigram_tokens_per_step: X
+  ngram_tokens_per_step: X
+--quick: 400 training rows, a few steps per drafter (minutes; a smoke run of the whole bench, numbers meaningless).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from bench.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
+from feature_server.dataset import load_rows  # noqa: E402
+from launch.config import DataConfig, TargetConfig  # noqa: E402
+from launch.prepare import resolve_data, resolve_target  # noqa: E402
+
+DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
+K = 7  # draft tokens per step for every drafter and baseline
+# Full run: steps per drafter (each <= 30 min of training on 2 cores, docs/quality.md has the measured times).
+FULL_STEPS = {"dflash": 1500, "dflash2": 1200, "dspark": 1200, "eagle3": 1500}
+QUICK = {"rows": 400, "heldout_rows": 16, "steps": 12}
+FULL = {"rows": 8000, "heldout_rows": 128}
+
+
+def data_overrides(quick: bool) -> list[str]:
+    size = QUICK if quick else FULL
+    return ["data=corpus", f"data.rows={size['rows']}", f"data.heldout_rows={size['heldout_rows']}"]
+
+
+def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str]) -> dict:
+    """One `python -m launch.train` run (resumed if run_dir already has checkpoints); its metrics.json."""
+    metrics = run_dir / "metrics.json"
+    if metrics.is_file():
+        return json.loads(metrics.read_text())
+    cmd = [sys.executable, "-m", "launch.train", f"drafter={drafter}", "target=small-real", *data_overrides(quick),
+           f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", "trainer.progress=false", *extra]
+    print("+", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "TQDM_DISABLE": "1"})
+    return json.loads(metrics.read_text())
+
+
+def baselines(target_dir: Path, train_path: Path, heldout_path: Path) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    train_rows, _ = load_rows(train_path, tokenizer, 1 << 20)
+    held_rows, _ = load_rows(heldout_path, tokenizer, 1 << 20)
+    rows = [(r.input_ids, r.loss_mask) for r in held_rows]
+    out = {}
+    for name, drafter in (("bigram", BigramTable(train_rows)), ("ngram", PromptLookup(min_n=1, max_n=4))):
+        counts = acceptance(drafter, rows, K)
+        out[name] = {"tokens_per_step": counts.tau, "per_position": counts.per_position}
+    return out
+
+
+def plot(results: dict, base: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (name, r) in enumerate(results.items()):
+        color = f"C{i}"
+        for key, style, label in (("real", "-", name), ("ablation", "--", f"{name}, states zeroed")):
+            curve = r[key]["heldout_curve"]
+            ax.plot([p["train_tokens"] for p in curve], [p["heldout_tau"] for p in curve], style, color=color,
+                    marker="o", ms=3, label=label)
+    for name, style in (("bigram", ":"), ("ngram", "-.")):
+        ax.axhline(base[name]["tokens_per_step"], color="grey", linestyle=style, label=f"{name} (model-free)")
+    ax.set_xlabel("training tokens (packed, prompt + response)")
+    ax.set_ylabel(f"held-out tau (K={K})")
+    ax.set_title("small-real: held-out acceptance while training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--drafters", default=",".join(DRAFTERS))
+    ap.add_argument("--out", default="outputs/quality")
+    ap.add_argument("--cache-dir", default=os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill"))
+    a = ap.parse_args(argv)
+    out = Path(a.out).resolve() / ("quick" if a.quick else "full")
+    out.mkdir(parents=True, exist_ok=True)
+    cache = Path(a.cache_dir)
+    target_dir = resolve_target(TargetConfig(name="small-real"), cache)
+    size = QUICK if a.quick else FULL
+    train_path, heldout_path = resolve_data(
+        DataConfig(source="corpus", rows=size["rows"], heldout_rows=size["heldout_rows"], prompt_tokens=320,
+                   prompt_min_tokens=96, max_new_tokens=64), target_dir, cache)
+    results = {}
+    for name in a.drafters.split(","):
+        steps = QUICK["steps"] if a.quick else FULL_STEPS[name]
+        results[name] = {"real": train(name, out / name, steps, a.quick, []),
+                         "ablation": train(name, out / f"{name}-zero", steps, a.quick,
+                                           ["trainer.feature_ablation=zero"])}
+    base = baselines(target_dir, train_path, heldout_path)
+    plot(results, base, out / "quality.png")
+    table = {name: {kind: {k: r[kind][k] for k in ("tau_offline", "per_position_acceptance", "steps", "train_tokens",
+                                                   "training_seconds", "export_selected",
+                                                   "heldout_target_disagreement")}
+                    for kind in ("real", "ablation")} for name, r in results.items()}
+    (out / "quality.json").write_text(json.dumps({"drafters": table, "baselines": base}, indent=2) + "\n")
+    for name, r in table.items():
+        a_k = " ".join(f"{x:.3f}" for x in r["real"]["per_position_acceptance"])
+        print(f"{name}: a_k {a_k}; {r['real']['steps']} steps, {r['real']['training_seconds']:.0f} s")
+    print(f"plot: {out / 'quality.png'}")
+    for name, r in table.items():
+        print(f"tau_{name}: {r['real']['tau_offline']:.3f}")
+    for name, r in table.items():
+        print(f"ablation_tau_{name}: {r['ablation']['tau_offline']:.3f}")
+    print(f"bigram_tokens_per_step: {base['bigram']['tokens_per_step']:.3f}")
+    print(f"ngram_tokens_per_step: {base['ngram']['tokens_per_step']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

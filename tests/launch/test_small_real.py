@@ -1,0 +1,44 @@
+"""The committed realistic target (launch/assets/small-real) and the script that made it."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from launch.corpus import corpus_files, digest
+from launch.small_real import ASSET_DIR, DIGEST_STEPS, make_small_real
+from trainer.target import TargetInfo
+
+BUILD_INFO = json.loads((ASSET_DIR / "build_info.json").read_text())
+
+
+def test_committed_checkpoint_is_a_real_small_lm():
+    info = TargetInfo.load(ASSET_DIR)
+    assert (info.model_type, info.num_hidden_layers, info.hidden_size, info.torch_dtype) == ("llama", 6, 256, "float32")
+    tokenizer = AutoTokenizer.from_pretrained(ASSET_DIR)
+    assert tokenizer.convert_tokens_to_ids("<|mask|>") is not None and len(tokenizer) == info.vocab_size
+    # Statistics of a real small LM, not of a template: a few nats per token on its own samples and on held-out
+    # text it never saw (build_info.json, measured when it was built).
+    assert 1.0 < BUILD_INFO["own_sample_entropy_nats"] < 6.0
+    assert BUILD_INFO["heldout_loss_nats"] < 4.0
+    model = AutoModelForCausalLM.from_pretrained(ASSET_DIR, dtype=torch.float32).eval()
+    ids = tokenizer("def add(a, b):\n    return", return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert loss < 6.0  # a trained model, far below log(4096) = 8.3 of a uniform guess
+
+
+@pytest.mark.slow
+def test_the_builder_reproduces_the_committed_tokenizer_and_first_steps(tmp_path):
+    files = corpus_files()
+    if digest(files) != BUILD_INFO["corpus_digest"]:
+        pytest.skip("this Python's standard library is not the corpus small-real was built from "
+                    f"(torch {BUILD_INFO['torch']}, corpus {BUILD_INFO['corpus_digest'][:12]})")
+    out = make_small_real(tmp_path / "replay", steps=DIGEST_STEPS, log=lambda *_: None)
+    assert (out / "tokenizer.json").read_bytes() == (ASSET_DIR / "tokenizer.json").read_bytes()
+    replay = json.loads((out / "build_info.json").read_text())
+    assert replay["weights_digest_after_steps"] == BUILD_INFO["weights_digest_after_steps"]
+    assert replay["loss_first"][:DIGEST_STEPS] == BUILD_INFO["loss_first"][:DIGEST_STEPS]
+    assert hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest() == BUILD_INFO["tokenizer_sha256"]
