@@ -47,7 +47,8 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
 
     from feature_server.dataset import load_rows
     from feature_server.server import FeatureServer
-    from trainer.evaluate import evaluate_report, stages_by_row_id
+    from trainer.evaluate import stages_by_row_id
+    from trainer.validation import evaluate_as_served
     from trainer.reload import load_run
 
     target_dir = target_dir or run_target(run_dir)
@@ -59,9 +60,9 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
         raise ValueError(f"{rows_path}: no usable rows ({skips.summary()})")
     spec = drafter.feature_spec()
     with FeatureServer(str(target_dir), spec, rows) as server:
-        report = evaluate_report(drafter, head, server, spec.layer_ids, torch.device("cpu"), torch.float32,
-                                 stages=stages_by_row_id(rows_path), temperature=temperature,
-                                 draft_mode=draft_mode, seed=seed, max_generated=max_tokens)
+        report = evaluate_as_served(drafter, head, server, spec.layer_ids, torch.device("cpu"),
+                                    stages=stages_by_row_id(rows_path), temperature=temperature,
+                                    draft_mode=draft_mode, seed=seed, max_generated=max_tokens)
     return drafter.name, report
 
 

@@ -2,12 +2,14 @@
 
 Prints, last, one line each (ratios measured in this one process against the references):
   moe_grouped_speedup: R           Qwen3-Next MoE block fwd+bwd, transformers eager loop fp32 / ours bf16
+  moe_vs_eager_bf16: R             the same eager loop in bf16 / ours bf16 (the dtype-for-dtype comparison)
   moe_vs_transformers_grouped: R   transformers' grouped_mm experts bf16 / ours bf16 (>1: we are faster)
   response_logits_memory_ratio: R  peak memory of the loss stage, response-only chunked / full [T, V] logits
   attention_cpu_speedup: R         DFlash anchor-block attention fwd+bwd, dense-mask SDPA / our path,
                                    geometric mean over packing lengths 4k and 16k (on CUDA: flex vs dense)
 Defaults follow issue 4 (MoE: hidden 512, 64 experts, top-8, 4096 tokens; 1% response share; 4k and 16k packs).
-Times are the minimum over `--reps` interleaved repetitions; the machine may be shared, so ratios are noisy.
+Every variant is warmed up once, then timed as the minimum over `--reps` interleaved repetitions; the machine may
+be shared, so ratios are noisy.
 """
 
 import argparse
@@ -64,6 +66,9 @@ def bench_moe(args, device):
     hf_grouped = Qwen3NextSparseMoeBlock(cfg_g).to(device, torch.bfloat16)
     hf_grouped.load_state_dict(hf.state_dict())
     hf_fp32.experts.config._experts_implementation = "eager"
+    hf_bf16 = Qwen3NextSparseMoeBlock(Qwen3NextConfig(**cfg.to_dict())).to(device, torch.bfloat16)
+    hf_bf16.load_state_dict(hf.state_dict())
+    hf_bf16.experts.config._experts_implementation = "eager"
     ours = SparseMoeBlock.from_config(cfg).to(device, torch.bfloat16)
     ours.load_state_dict(hf.state_dict())
 
@@ -77,16 +82,16 @@ def bench_moe(args, device):
         return run
 
     fns = {"transformers_eager_fp32": step(hf_fp32, torch.float32),
+           "transformers_eager_bf16": step(hf_bf16, torch.bfloat16),
            "transformers_grouped_mm_bf16": step(hf_grouped, torch.bfloat16),
            "ours_bf16": step(ours, torch.bfloat16)}
-    for name in ("transformers_grouped_mm_bf16", "ours_bf16"):  # warm-up (allocator, oneDNN primitives)
-        fns[name]()
-    # The eager fp32 loop is timed once: its cost (a full-size weight-gradient fill per expert) needs no warm-up.
-    baseline = {"transformers_eager_fp32": timed(fns.pop("transformers_eager_fp32"), device)}
-    t = baseline | interleaved_min(fns, args.reps, device)
+    for fn in fns.values():  # warm-up, the same for every variant (allocator, oneDNN primitives)
+        fn()
+    t = interleaved_min(fns, args.reps, device)
     for k, v in t.items():
-        print(f"moe {k}: {v:.3f} s (tokens={tokens})")
+        print(f"moe {k}: {v:.3f} s (tokens={tokens}, best of {args.reps})")
     return {"moe_grouped_speedup": t["transformers_eager_fp32"] / t["ours_bf16"],
+            "moe_vs_eager_bf16": t["transformers_eager_bf16"] / t["ours_bf16"],
             "moe_vs_transformers_grouped": t["transformers_grouped_mm_bf16"] / t["ours_bf16"]}
 
 
@@ -210,7 +215,7 @@ def main():
         if name not in skip:
             results.update(fn(args, device))
     label = "attention_gpu_speedup" if device.type == "cuda" else "attention_cpu_speedup"
-    for key in ("moe_grouped_speedup", "moe_vs_transformers_grouped", "response_logits_memory_ratio",
+    for key in ("moe_grouped_speedup", "moe_vs_eager_bf16", "moe_vs_transformers_grouped", "response_logits_memory_ratio",
                 "attention_cpu_speedup"):
         if key in results:
             print(f"{label if key == 'attention_cpu_speedup' else key}: {results[key]:.3f}")

@@ -123,7 +123,7 @@ def main() -> None:
                 seen = peaks.setdefault(w.pid, [now, 0.0])
                 seen[1] = max(seen[1], peak)
             log = run_dir / "train_log.jsonl"
-            steps = log.read_text().count("\n") * 50 if log.is_file() else 0
+            steps = log.read_text().count('"loss"') * 50 if log.is_file() else 0  # training records
             rows.append((now, trainer.memory_info().rss / 2**20, len(workers), worker_rss,
                          run_shm_mb([trainer, *workers], marker), shmem_mb(), steps))
             print("%5.0f  %14.1f  %7d  %13.1f  %10.1f  %8.1f  %5d" % rows[-1], flush=True)

@@ -39,7 +39,7 @@ def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], cont
 
     from feature_server.contract import TokenizedRow
     from feature_server.server import FeatureServer
-    from trainer.evaluate import evaluate_report
+    from trainer.validation import evaluate_as_served
     from trainer.reload import load_run
 
     drafter, head, _ = load_run(run_dir, target_dir)
@@ -47,8 +47,8 @@ def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], cont
             for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))]
     spec = drafter.feature_spec()
     with FeatureServer(str(target_dir), spec, rows) as server:
-        return evaluate_report(drafter, head, server, spec.layer_ids, torch.device("cpu"), torch.float32,
-                               stages=dict(enumerate(stages)) if stages else None, max_generated=max_generated)
+        return evaluate_as_served(drafter, head, server, spec.layer_ids, torch.device("cpu"),
+                                  stages=dict(enumerate(stages)) if stages else None, max_generated=max_generated)
 
 
 def served_vs_offline(run_dir, target_dir, method: str, prompts: list[list[int]], max_tokens: int,

@@ -26,7 +26,7 @@ from drafters import vllm_groups
 from drafters.target_init import init_layers_from_target
 from feature_server.contract import FeatureSpec
 from kernels.attention import anchor_block_plan
-from kernels.logits import chunked_argmax, chunked_ce
+from kernels.logits import chunked_argmax, chunked_ce, chunked_kl
 from trainer.batch import PackedBatch
 from trainer.target import RMSNorm, TargetHead, TargetInfo
 
@@ -53,11 +53,12 @@ class DFlashConfig:
     causal_in_block: bool = False  # bidirectional inside a block, as DFlash trains
     max_anchors: int = 1024  # per packed sequence
     loss_weighting: str = "dpace"  # dpace | exp_decay (speculators' "fixed-exp-decay") | uniform
+    loss: str = "ce"  # ce: to the target's greedy token (speculators) | kl: to its whole distribution
     dpace_alpha: float = 0.5
     decay_gamma: float = 4.0  # exp_decay: draft slot j (0-based) weighs exp(-j / gamma)
     mask_token: str = "<|mask|>"  # its embedding comes from the target
     attention_impl: str = "auto"  # auto (CUDA: compiled flex; CPU: chunked SDPA) | flex | chunked | reference
-    init_from_target: bool = False  # decoder layers start as the target's top layers (drafters/target_init.py)
+    init_from_target: bool = True  # decoder layers start as the target's top layers (drafters/target_init.py)
 
 
 def spread_layer_ids(num_hidden_layers: int, n: int) -> list[int]:
@@ -226,13 +227,20 @@ class DFlashDrafter(Drafter):
         pos_NK, valid_NK = self.label_positions(batch, anchors_N)
         last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
         # Response-only target logits: the target's token at p comes from its state at p-1.
-        target_M = head.argmax(last_TD[pos_NK[valid_NK] - 1])
+        target_state_MD = last_TD[pos_NK[valid_NK] - 1]
+        target_M = head.argmax(target_state_MD)
         hidden_MD = self.block_hidden(batch, head, anchors_N)[:, 1:][valid_NK]
         # Draft logits only at loss positions, a chunk at a time (never [M, vocab] for backward).
-        ce_M = chunked_ce(hidden_MD, head.lm_head.weight, target_M)
-        ce_NK = torch.zeros(valid_NK.shape, device=ce_M.device).masked_scatter(valid_NK, ce_M)
-        weight_NK = position_weights(self.cfg, ce_NK, valid_NK)
-        loss = (weight_NK * ce_NK).sum() / valid_NK.sum().clamp(min=1)
+        W = head.lm_head.weight
+        if self.cfg.loss == "kl":
+            loss_M = chunked_kl(hidden_MD, W, head.norm(target_state_MD.to(W.dtype)), W)
+        elif self.cfg.loss == "ce":
+            loss_M = chunked_ce(hidden_MD, W, target_M)
+        else:
+            raise ValueError(f"drafter.loss={self.cfg.loss!r}; valid: ce, kl")
+        loss_NK = torch.zeros(valid_NK.shape, device=loss_M.device).masked_scatter(valid_NK, loss_M)
+        weight_NK = position_weights(self.cfg, loss_NK, valid_NK)
+        loss = (weight_NK * loss_NK).sum() / valid_NK.sum().clamp(min=1)
         predicted_M = chunked_argmax(hidden_MD.detach(), head.lm_head.weight)
         correct_NK = torch.zeros_like(valid_NK).masked_scatter(valid_NK, predicted_M == target_M)
         return block_metrics(loss, correct_NK, valid_NK)

@@ -2,7 +2,7 @@
 
 `served_run` serves a trained run's export on vLLM next to the target alone and walks the offline evaluator over
 vLLM's own base outputs (bench.vllm_acceptance.served_vs_offline), so the two sets of counters describe the same
-decode path: equal on fp32 tiny-llama, close on bf16 tiny-qwen3-next (REFERENCE.md).
+decode path: equal on fp32 tiny-llama, within 5% on bf16 tiny-qwen3-next (docs/acceptance.md, docs/vllm.md).
 """
 
 import json
@@ -30,23 +30,37 @@ def served_run(name: str, run_dir: Path, target_dir: Path, method: str) -> dict:
 
 
 def assert_lossless(served: dict) -> None:
-    same = identical_prefixes(served["base"], served["spec"], MAX_TOKENS)
-    # fp32 llama is exact; bf16 CPU kernels may flip one near-tie between the two runs (REFERENCE.md).
-    assert same >= (PROMPTS if served["name"] == "tiny-llama" else PROMPTS - 1)
+    """fp32 llama: every prompt identical. bf16 targets: a prompt may differ only where the first differing token
+    is a near-tie of the base run's logits, scored by the fp32 reference (docs/acceptance.md, "Near-ties")."""
+    from bench.lossless import Reference
+
+    base = [o[:MAX_TOKENS] for o in served["base"].output_token_ids]
+    spec = served["spec"].output_token_ids
+    differing = [i for i, (a, b) in enumerate(zip(base, spec, strict=True)) if a != b]
+    if served["name"] == "tiny-llama":
+        assert not differing, f"prompts {differing} differ on the fp32 target"
+        return
+    reference = Reference(str(served["target_dir"])) if differing else None
+    for i in differing:
+        d = reference.divergence(i, served["prompts"][i], base[i], spec[i])
+        assert d.near_tie, f"prompt {i} differs at token {d.position} ({d.base_token} -> {d.spec_token}) with a " \
+                           f"logit margin of {d.margin:.4f}: not a bf16 near-tie"
 
 
 def assert_acceptance_matches_offline(served: dict) -> None:
-    """Exact counters on fp32 tiny-llama; tau and draft counts within 10% on bf16 targets."""
+    """Exact counters on fp32 tiny-llama; tau and draft counts within 5% on bf16 targets; and something accepted
+    (a drafter that never drafts right would match any walk)."""
     vllm, ours = served["spec"].counters, served["offline"]
     print(f"{served['name']} {served['spec'].method} K={served['K']}: vLLM drafts {vllm.num_drafts} accepted "
           f"{vllm.accepted_per_pos} tau {vllm.tau:.3f} (per step {served['spec'].tau_per_step:.3f}); offline drafts "
           f"{ours.num_drafts} accepted {ours.accepted_per_pos} tau {ours.tau:.3f}", file=sys.stderr)
+    assert vllm.num_accepted_tokens > 0 and ours.num_accepted > 0
     if served["name"] == "tiny-llama":
         assert vllm.num_drafts == ours.num_drafts
         assert list(vllm.accepted_per_pos) == ours.accepted_per_pos
     else:
-        assert abs(vllm.tau - ours.tau) <= 0.1 * ours.tau
-        assert abs(vllm.num_drafts - ours.num_drafts) <= 0.1 * ours.num_drafts
+        assert abs(vllm.tau - ours.tau) <= 0.05 * ours.tau
+        assert abs(vllm.num_drafts - ours.num_drafts) <= 0.05 * ours.num_drafts
 
 
 def workload_prompts(target_dir, n: int) -> tuple[list[list[int]], list[str]]:

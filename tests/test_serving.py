@@ -17,9 +17,11 @@ from tests.serving_helpers import MAX_TOKENS, assert_acceptance_matches_offline,
 from tests.test_e2e import run_train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-TRAIN = ["drafter=dflash", "drafter.num_layers=1", "data.rows=48", "data.heldout_rows=8", "data.prompt_tokens=120",
-         "data.max_new_tokens=32", "trainer.token_budget=1024", "trainer.max_steps=40", "trainer.checkpoint_every=40",
-         "trainer.warmup_steps=4", "trainer.progress=false"]
+# Layers start fresh here: on the templated tiny targets, layers copied from the target learn slower in 40 steps
+# (tiny-llama: held-out a_1 0.24 vs 0.39), and the counters check needs a drafter that is accepted often.
+TRAIN = ["drafter=dflash", "drafter.num_layers=1", "drafter.init_from_target=false", "data.rows=48",
+         "data.heldout_rows=8", "data.prompt_tokens=120", "data.max_new_tokens=32", "trainer.token_budget=1024",
+         "trainer.max_steps=40", "trainer.checkpoint_every=40", "trainer.warmup_steps=4", "trainer.progress=false"]
 
 
 # The third case trains on features extracted by vLLM itself (feature_server=vllm): its export must pass the same
@@ -30,7 +32,11 @@ def served(request, tmp_path_factory, cache_dir, tiny_target):
     target, features = request.param
     target_dir = tiny_target(target)
     run_dir = tmp_path_factory.mktemp(f"serve-{target}-{features}") / "run"
-    run_train([f"target={target}", f"feature_server={features}", *TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
+    # On the hybrid target, two layers: vLLM must place every drafting layer in one KV-cache group
+    # (drafters/vllm_groups.py), which a 1-layer export never tests.
+    layers = ["drafter.num_layers=2"] if target == "tiny-qwen3-next" else []
+    run_train([f"target={target}", f"feature_server={features}", *TRAIN, *layers, f"hydra.run.dir={run_dir}"],
+              cache_dir)
     config = json.loads((run_dir / "run_info.json").read_text())["config"]
     assert config["drafter"]["name"] == "dflash" and config["feature_server"]["backend"] == features
     return {**served_run(target, run_dir, target_dir, "dflash"), "features": features}

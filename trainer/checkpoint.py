@@ -104,9 +104,13 @@ class Checkpoint:
         return state, None
 
 
+def read_checkpoint(path: Path) -> dict:
+    """The raw payload. weights_only: tensors and plain containers only - a checkpoint can never run code on load."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def load_checkpoint(path: Path, meta: dict) -> Checkpoint:
-    # weights_only: tensors and plain containers only - a checkpoint can never run code on load.
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = read_checkpoint(path)
     for key in ("drafter", "target_layer_ids", "model_type"):
         if payload["meta"].get(key) != meta.get(key):
             raise ValueError(

@@ -1,18 +1,22 @@
-"""Rebuild a finished (or interrupted) run's drafter from its run directory, for evaluation tools."""
+"""Rebuild a run's exported drafter from its run directory, for evaluation tools.
+
+The weights are the ones the run exported (metrics.json `export_selected`): the best held-out ones kept in the last
+checkpoint's validation state, or the last weights. An interrupted run (no metrics.json yet) gives its last
+checkpoint's weights. Checkpoints are read weights_only (trainer/checkpoint.py), as training and resume read them.
+"""
 
 import json
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from drafters import build_drafter, drafter_config
-from trainer.checkpoint import latest_checkpoint
+from trainer.checkpoint import latest_checkpoint, read_checkpoint
 from trainer.target import TargetHead, TargetInfo
 
 
 def load_run(run_dir: str | Path, target_dir: str | Path):
-    """(drafter, head, info) with the weights of the run's last checkpoint, in eval mode on CPU."""
+    """(drafter, head, info) with the weights the run exported, in eval mode on CPU."""
     run_dir = Path(run_dir)
     config = json.loads((run_dir / "run_info.json").read_text())["config"]
     drafter_fields = dict(config["drafter"])
@@ -23,5 +27,15 @@ def load_run(run_dir: str | Path, target_dir: str | Path):
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         raise FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint to load")
-    drafter.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["drafter"])
+    payload = read_checkpoint(checkpoint)
+    drafter.load_state_dict(exported_weights(run_dir, payload))
     return drafter.eval(), TargetHead(info), info
+
+
+def exported_weights(run_dir: Path, payload: dict) -> dict:
+    metrics_file = run_dir / "metrics.json"
+    selected = json.loads(metrics_file.read_text()).get("export_selected") if metrics_file.is_file() else None
+    best = (payload.get("validation") or {}).get("best_weights")
+    if selected and selected.get("policy") == "best" and best is not None:
+        return best
+    return payload["drafter"]

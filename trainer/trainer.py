@@ -109,6 +109,8 @@ class Trainer:
         self.validator = self._make_validator()
         bar = tqdm(total=self.cfg.max_steps, initial=state.step, disable=not (self.cfg.progress and self.dist.is_main),
                    desc=f"train {self.meta['drafter']}", unit="step")
+        if self.eval_every and not self.validation.curve:
+            self._validate(state)  # step 0: the untrained (or, for MTP, the target's own) drafter, the curve's origin
         steps = self._step_groups(state)
         try:
             self._loop(state, steps, bar)

@@ -13,6 +13,7 @@ much on the development target.
 """
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,13 @@ def serving_copy(drafter, head):
     return copy.deepcopy(drafter).to(dtype), copy.deepcopy(head).to(dtype)
 
 
+def evaluate_as_served(drafter, head, samples, layer_ids, device, **report_kwargs):
+    """trainer.evaluate.evaluate_report with the drafter (and the target head) in the export's dtype."""
+    served, served_head = serving_copy(drafter, head)
+    return evaluate_report(served, served_head, samples, layer_ids, device, export_dtype(drafter.target),
+                           **report_kwargs)
+
+
 class Validator:
     """Rank 0's held-out walks. `heldout` and `probe` are lists of FeatureSamples owned by this object."""
 
@@ -58,9 +66,7 @@ class Validator:
         self.state, self.stages = state, stages
 
     def walk(self, drafter, head, samples, stages=None):
-        served, served_head = serving_copy(drafter, head)
-        dtype = export_dtype(drafter.target)
-        return evaluate_report(served, served_head, samples, self.layer_ids, self.device, dtype, stages=stages)
+        return evaluate_as_served(drafter, head, samples, self.layer_ids, self.device, stages=stages)
 
     def run(self, drafter, head, step: int, train_tokens: int, train_tau_estimate: float) -> dict:
         """Walk held-out and probe rows now; record the point; keep the weights if they are the best so far."""
@@ -70,7 +76,7 @@ class Validator:
                  "heldout_per_position": heldout.per_position,
                  "train_rows_tau": probe.tau if probe else None,
                  "gap": (probe.tau - heldout.tau) if probe else None,
-                 "train_tau_estimate": train_tau_estimate}
+                 "train_tau_estimate": None if math.isnan(train_tau_estimate) else train_tau_estimate}
         self.state.curve.append(point)
         if self.state.best_tau is None or heldout.tau > self.state.best_tau:
             self.state.best_step, self.state.best_tau = step, heldout.tau

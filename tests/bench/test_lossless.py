@@ -57,6 +57,7 @@ def test_ngram_on_the_hybrid_target_is_flagged(tiny_target, name, expected):
     results = {r.method: r for r in check(target, prompts, stages, ["base", "ngram", "suffix"], max_tokens=32)}
     print("\n".join(table(list(results.values()))))
     ngram = results["ngram"]
+    assert ngram.status == "ok", f"n-gram run {ngram.status}: {ngram.reason}"
     assert results["base"].verdict == "lossless" and ngram.num_drafts > 0  # n-gram really drafted
     assert ngram.verdict == expected, json.dumps([d.__dict__ for d in ngram.divergences])
     if expected == "CHANGED":  # at least one divergence with a clear fp32 margin, not a bf16 near-tie
