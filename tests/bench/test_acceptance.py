@@ -60,10 +60,13 @@ def test_json_per_drafter_and_stage_and_one_plot(setup, tmp_path, capsys):
         report = result["runs"][label]
         assert report["K"] == K and len(report["per_position"]) == K and len(report["conditional"]) == K
         assert set(report["by_stage"]) == set(STAGES)
-        # Every step consumes accepted + 1 response tokens after the prefill token, per stage.
+        # Every step consumes accepted + 1 response tokens after the prefill token, per stage; a row's last step
+        # may accept drafts up to its very end, and then its +1 (the bonus token) lies past the response.
         for stage in set(STAGES):
             s = report["by_stage"][stage]
-            assert s["num_drafts"] + s["num_accepted"] == sum(n - 1 for st, n in zip(STAGES, RESPONSE) if st == stage)
+            rows = [n for st, n in zip(STAGES, RESPONSE) if st == stage]
+            consumed = s["num_drafts"] + s["num_accepted"]
+            assert sum(n - 1 for n in rows) <= consumed <= sum(rows), (stage, s)
         assert report["num_drafts"] == sum(s["num_drafts"] for s in report["by_stage"].values())
         assert report["tau"] == pytest.approx(1 + sum(report["per_position"]))
     png = (tmp_path / "acceptance.png").read_bytes()
