@@ -38,8 +38,9 @@ def served(m: dict) -> dict:
     from bench.prompts import read_prompts
     from bench.vllm_acceptance import identical_prefixes, served_vs_offline
 
-    prompts, stages = read_prompts(_heldout_path(m), None, SERVED_PROMPTS)
-    tokens = min(MAX_SERVED_TOKENS, *_response_lengths(_heldout_path(m), SERVED_PROMPTS))
+    heldout = _heldout_path(m)
+    prompts, stages = read_prompts(heldout, None, SERVED_PROMPTS)
+    tokens = min(MAX_SERVED_TOKENS, *_response_lengths(heldout, SERVED_PROMPTS))
     result = served_vs_offline(RUN_DIR, m["target"], "dflash", prompts, tokens, stages)
     spec, offline = result["spec"], result["offline"].total
     return {"tau_vllm": spec.tau_per_step, "tau_offline": offline.tau,
@@ -53,8 +54,10 @@ def _response_lengths(path: str, n: int) -> list[int]:
     lengths = []
     with open(path) as f:
         for line in f:
-            if line.strip() and (ones := sum(json.loads(line)["loss_mask"])) and len(lengths) < n:
+            if line.strip() and (ones := sum(json.loads(line)["loss_mask"])):
                 lengths.append(ones)
+                if len(lengths) == n:
+                    break
     return lengths
 
 
