@@ -1,6 +1,6 @@
 """Drafter quality on the realistic target (a benchmark, not a test):
 
-    python bench/quality.py [--quick] [--drafters dflash,dflash2,dspark,eagle3] [--out outputs/quality]
+    python bench/quality.py [--quick] [--drafters dflash,dflash2,dspark,eagle3] [--steps N] [--out outputs/quality]
 
 For each drafter, on `target=small-real` (launch/small_real.py) with `data=corpus` (self-distilled rows: real text
 prompts, the target's greedy continuations), it runs the main job twice through the CLI, as a user would:
@@ -14,6 +14,7 @@ training tokens goes to OUT/quality.png, the table to OUT/quality.json. Last lin
   ablation_tau_<drafter>: X  for each drafter
   bigram_tokens_per_step: X
   ngram_tokens_per_step: X
+--steps N: every drafter trains N steps instead of its FULL_STEPS entry (runs go to OUT/steps-N).
 --quick: 400 training rows, a few steps per drafter (minutes; a smoke run of the whole bench, numbers meaningless).
 """
 
@@ -54,7 +55,7 @@ def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str]
     cmd = [sys.executable, "-m", "launch.train", f"drafter={drafter}", "target=small-real", *data_overrides(quick),
            f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", "trainer.progress=false", *extra]
     print("+", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "TQDM_DISABLE": "1"})
+    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1])
     return json.loads(metrics.read_text())
 
 
@@ -98,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--drafters", default=",".join(DRAFTERS))
+    ap.add_argument("--steps", type=int, default=None, help="steps for every drafter (default: FULL_STEPS)")
     ap.add_argument("--out", default="outputs/quality")
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill"))
     a = ap.parse_args(argv)
-    out = Path(a.out).resolve() / ("quick" if a.quick else "full")
+    out = Path(a.out).resolve() / ("quick" if a.quick else f"steps-{a.steps}" if a.steps else "full")
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(a.cache_dir)
     target_dir = resolve_target(TargetConfig(name="small-real"), cache)
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                    prompt_min_tokens=96, max_new_tokens=64), target_dir, cache)
     results = {}
     for name in a.drafters.split(","):
-        steps = QUICK["steps"] if a.quick else FULL_STEPS[name]
+        steps = a.steps or (QUICK["steps"] if a.quick else FULL_STEPS[name])
         results[name] = {"real": train(name, out / name, steps, a.quick, []),
                          "ablation": train(name, out / f"{name}-zero", steps, a.quick,
                                            ["trainer.feature_ablation=zero"])}

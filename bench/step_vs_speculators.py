@@ -7,10 +7,19 @@ A step is forward + loss + backward + AdamW step + zero_grad, on each side:
 - theirs: speculators.models.eagle3 Eagle3DraftModel / speculators.models.dflash DFlashDraftModel forward
   (eager attention, eager losses: their fused losses need Triton).
 Both sides have the same architecture; speculators' model is loaded from our export, so weights are equal.
-Loss on each side as each trains it: EAGLE-3 KL over 3 TTT steps (equal weights); DFlash CE to the target's
-greedy token with D-PACE position weights over max_anchors anchors of block 8.
-Steps alternate ours/theirs so both share the machine's noise; the median of the timed steps is reported.
-Prints last `eagle3_step_ratio: R` and `dflash_step_ratio: R` (ours / speculators; < 1: ours is faster).
+Loss on each side as each trains it: EAGLE-3 KL over 3 TTT steps (equal weights; speculators also scores the
+prompt-anchored chains vLLM never drafts, drafters/eagle3.py); DFlash CE to the target's greedy token with D-PACE
+position weights over max_anchors anchors of block 8.
+Before timing, each drafter's loss check must pass: both sides' losses on the same weights and the same scored
+rows agree within 1e-4 relative (EAGLE-3: the pack's first document as all response; DFlash: every valid anchor,
+so both select the same blocks), else the bench stops. Ours saves work three ways, and the ablation rows separate
+them: `*_all_chains` (EAGLE-3 unrolls every pair, as speculators does), `*_reference_attention` (a dense
+mask, as speculators' eager attention, instead of chunked per-document attention); what remains of the gap is
+the response-only loss (logits only where a row is scored). speculators runs as it can on a CPU (the
+`speculators_configuration` line): eager attention and eager losses, not its CUDA/Triton paths.
+Steps alternate between all variants so they share the machine's noise; the median of the timed steps is reported.
+Prints `{drafter}_{variant}_ratio` (variant / speculators) for the ablations, then last `eagle3_step_ratio: R`
+and `dflash_step_ratio: R` (ours / speculators; < 1: ours is faster).
 """
 
 import argparse
@@ -35,6 +44,9 @@ from trainer.target import TargetHead, TargetInfo  # noqa: E402
 TARGET = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
 MASK_TOKEN_ID = 3
+# What speculators runs as here: the configuration it supports on a CPU, not the one it is tuned for.
+SPECULATORS_CPU = ("CPU eager: attention 'eager' (a dense float mask per layer; its flex-attention path needs "
+                   "CUDA), losses 'eager' (its fused losses need Triton), fp32, no torch.compile")
 
 
 def build_target(path: Path) -> None:
@@ -90,88 +102,148 @@ def load_reference(cls, cfg_cls, export_dir: Path, head: TargetHead):
     return ref
 
 
+class AllChainsEagle3(Eagle3Drafter):
+    """Ablation: steps 1..ttt-1 run on every pair, as speculators does (the loss is unchanged)."""
+
+    def unrolled_chains(self, valid_SK: torch.Tensor) -> torch.Tensor:
+        return torch.arange(valid_SK.shape[0], device=valid_SK.device)
+
+
+def single_document(batch: PackedBatch, doc: int) -> PackedBatch:
+    """Document `doc` of the pack alone, every token after the first a response token: the batch on which
+    EAGLE-3's scored rows are speculators' (drafters/eagle3.py docstring), for the loss check."""
+    keep = batch.document_ids_T == doc
+    T = int(keep.sum())
+    return PackedBatch(input_ids_T=batch.input_ids_T[keep], loss_mask_T=torch.arange(T) >= 1,
+                       hidden_TLD=batch.hidden_TLD[keep], document_ids_T=torch.zeros(T, dtype=torch.long),
+                       position_ids_T=torch.arange(T), layer_ids=batch.layer_ids,
+                       row_ids=(doc,))
+
+
 def eagle3_sides(info, head, batch, tmp: Path, ttt_steps: int):
+    """(our step functions by name, our drafter, a factory of speculators' step and model, the loss check)."""
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config(target_layer_ids=[1, 2, 3], num_layers=1, ttt_steps=ttt_steps,
-                                         draft_vocab_size=info.vocab_size), info).train()
-    # Every token is a response token: draft vocab = the whole target vocab, lm_head = the target's.
-    drafter.prepare([TokenizedRow(0, tuple(range(info.vocab_size)), (1,) * info.vocab_size)])
-    g = torch.Generator().manual_seed(0)
-    ours = make_step(lambda: drafter.training_step(batch, head, g).loss, drafter)
+    def build(cls=Eagle3Drafter, attention_impl="auto"):
+        torch.manual_seed(0)  # every variant starts from the same weights
+        drafter = cls(Eagle3Config(target_layer_ids=[1, 2, 3], num_layers=1, ttt_steps=ttt_steps,
+                                   draft_vocab_size=info.vocab_size, attention_impl=attention_impl), info).train()
+        # Every token is a response token: draft vocab = the whole target vocab, lm_head = the target's.
+        drafter.prepare([TokenizedRow(0, tuple(range(info.vocab_size)), (1,) * info.vocab_size)])
+        return drafter
+
+    drafter = build()
+    variants = {"ours": drafter, "ours_all_chains": build(AllChainsEagle3),
+                "ours_reference_attention": build(attention_impl="reference")}
+    ours = {name: our_step(d, batch, head) for name, d in variants.items()}
+    loss_config = resolve_loss_config("kl_div", "eager")
+
+    def reference_loss(ref, b: PackedBatch, mask_rule: str):
+        """speculators' forward on a pack, shifted as its shift_batch does per document: input x[1:], hidden
+        g[:-1], verifier y[1:]; loss mask l[1:] (its own rule) or mask[t] & mask[t+1] (ours; the check)."""
+        pairs = drafter.pairs(b)
+        t_S, mask_T = pairs.t_S, b.loss_mask_T
+        mask = mask_T[t_S]
+        if mask_rule == "ours":
+            mask = mask & torch.cat([mask_T[t_S[:-1] + 1], mask_T.new_zeros(1)])
+        _, loss, _ = ref(b.layers(drafter.target_layer_ids)[t_S - 1].flatten(1)[None].contiguous(),
+                         b.input_ids_T[t_S][None], pairs.document_ids_S[None], loss_mask=mask[None],
+                         position_ids=pairs.rope_pos_S[None],
+                         verifier_last_hidden_states=b.layers([info.num_hidden_layers])[t_S, 0][None].contiguous(),
+                         ttt_steps=ttt_steps, ttt_step_loss_decay=1.0, loss_config=loss_config)
+        return loss
 
     def theirs_factory():
         export = tmp / "eagle3"
         drafter.export(export, info)
         ref = load_reference(Eagle3DraftModel, Eagle3SpeculatorConfig, export, head)
-        pairs = drafter.pairs(batch)
-        # speculators' shift_batch per document: input x[1:], hidden g[:-1], verifier y[1:], loss mask l[1:].
-        aux = batch.layers(drafter.target_layer_ids)[pairs.t_S - 1].flatten(1)[None].contiguous()
-        ids = batch.input_ids_T[pairs.t_S][None]
-        docs = pairs.document_ids_S[None]
-        last = batch.layers([info.num_hidden_layers])[:, 0][pairs.t_S][None].contiguous()
-        mask = batch.loss_mask_T[pairs.t_S][None]
-        loss_config = resolve_loss_config("kl_div", "eager")
+        return make_step(lambda: reference_loss(ref, batch, "speculators"), ref), ref
 
-        def fwd():
-            _, loss, _ = ref(aux, ids, docs, loss_mask=mask, position_ids=pairs.rope_pos_S[None],
-                             verifier_last_hidden_states=last, ttt_steps=ttt_steps, ttt_step_loss_decay=1.0,
-                             loss_config=loss_config)
-            return loss
+    def loss_check(ref):
+        one = single_document(batch, 0)
+        with torch.no_grad():
+            return (float(drafter.training_step(one, head, torch.Generator().manual_seed(0)).loss),
+                    float(reference_loss(ref, one, "ours")))
 
-        return make_step(fwd, ref), ref
-
-    return ours, drafter, theirs_factory
+    return ours, drafter, theirs_factory, loss_check
 
 
 def dflash_sides(info, head, batch, tmp: Path, num_layers: int, max_anchors: int):
     from speculators.losses import resolve_loss_config
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dflash.utils import select_anchors
 
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(DFlashConfig(num_layers=num_layers, target_layer_ids=[1, 2, 3], sliding_window=None,
-                                         max_anchors=max_anchors, loss_weighting="dpace"),
-                            info, mask_token_id=MASK_TOKEN_ID).train()
-    g = torch.Generator().manual_seed(0)
-    ours = make_step(lambda: drafter.training_step(batch, head, g).loss, drafter)
+    def build(attention_impl="auto"):
+        torch.manual_seed(0)
+        return DFlashDrafter(DFlashConfig(num_layers=num_layers, target_layer_ids=[1, 2, 3], sliding_window=None,
+                                          max_anchors=max_anchors, loss_weighting="dpace",
+                                          attention_impl=attention_impl),
+                             info, mask_token_id=MASK_TOKEN_ID).train()
+
+    drafter = build()
+    ours = {"ours": our_step(drafter, batch, head),
+            "ours_reference_attention": our_step(build("reference"), batch, head)}
+    aux = batch.layers(drafter.target_layer_ids).flatten(1)[None].contiguous()
+    last = batch.layers([info.num_hidden_layers])[:, 0][None].contiguous()
+    loss_config = resolve_loss_config("ce", "eager")  # CE to the target's argmax, as ours
+
+    def reference_loss(ref, anchors: int):
+        _, loss, _ = ref(aux, batch.input_ids_T[None], batch.loss_mask_T[None].long(), last,
+                         batch.document_ids_T[None], batch.position_ids_T[None], loss_config=loss_config,
+                         max_anchors=anchors, per_position_loss_weight="dpace", dpace_alpha=0.5)
+        return loss
 
     def theirs_factory():
         export = tmp / "dflash"
         drafter.export(export, info)
         ref = load_reference(DFlashDraftModel, DFlashSpeculatorConfig, export, head)
-        aux = batch.layers(drafter.target_layer_ids).flatten(1)[None].contiguous()
-        last = batch.layers([info.num_hidden_layers])[:, 0][None].contiguous()
-        loss_config = resolve_loss_config("ce", "eager")  # CE to the target's argmax, as ours
+        return make_step(lambda: reference_loss(ref, max_anchors), ref), ref
 
-        def fwd():
-            _, loss, _ = ref(aux, batch.input_ids_T[None], batch.loss_mask_T[None].long(), last,
-                             batch.document_ids_T[None], batch.position_ids_T[None], loss_config=loss_config,
-                             max_anchors=max_anchors, per_position_loss_weight="dpace", dpace_alpha=0.5)
-            return loss
+    def loss_check(ref):
+        # Every valid anchor on both sides, so the selection is deterministic and the blocks are the same.
+        B = drafter.block_size
+        n_valid = int(batch.loss_mask_T[:-B].sum())
+        anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, B)
+        with torch.no_grad():
+            return float(drafter.block_loss(batch, head, anchors).loss), float(reference_loss(ref, n_valid))
 
-        return make_step(fwd, ref), ref
-
-    return ours, drafter, theirs_factory
+    return ours, drafter, theirs_factory, loss_check
 
 
-def race(name: str, ours, theirs_factory, warmup: int, steps: int):
-    """Median step seconds (ours, theirs or None) and why theirs did not run (or None)."""
+def our_step(drafter, batch: PackedBatch, head: TargetHead):
+    g = torch.Generator().manual_seed(0)
+    return make_step(lambda: drafter.training_step(batch, head, g).loss, drafter)
+
+
+LOSS_RTOL = 1e-4  # fp32 over a whole pack; tests/drafters/*: 1e-5 on small batches
+
+
+def race(name: str, ours: dict, theirs_factory, loss_check, warmup: int, steps: int):
+    """Median step seconds of each of our variants and of speculators (None where it did not run, with why).
+    Before any timing, both sides' losses on the same weights and blocks must agree (else SystemExit)."""
     try:
         theirs, ref = theirs_factory()
         print(f"{name}_speculators_trainable_params: {sum(p.numel() for p in trainable(ref))}")
     except Exception as e:  # noqa: BLE001
         traceback.print_exc(file=sys.stderr)
         theirs, why = None, f"construction failed: {type(e).__name__}: {e}"
-    times_o, times_t = [], []
+    if theirs is not None:
+        loss_o, loss_t = loss_check(ref)
+        print(f"{name}_loss_check: ours {loss_o:.6f} speculators {loss_t:.6f}")
+        if abs(loss_o - loss_t) > LOSS_RTOL * abs(loss_t):
+            raise SystemExit(f"{name}: ours and speculators compute different losses on the same weights and "
+                             f"blocks ({loss_o:.6f} vs {loss_t:.6f}); timing them would compare different work")
+    times = {k: [] for k in ours}
+    times_t = []
     for i in range(warmup + steps):
-        t, loss_o = ours()
-        if i >= warmup:
-            times_o.append(t)
+        for variant, step in ours.items():  # alternate, so every side shares the machine's noise
+            t, _ = step()
+            if i >= warmup:
+                times[variant].append(t)
         if theirs is not None:
             try:
-                t, loss_t = theirs()
+                t, _ = theirs()
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc(file=sys.stderr)
                 theirs, why = None, f"step failed: {type(e).__name__}: {e}"
@@ -179,11 +251,9 @@ def race(name: str, ours, theirs_factory, warmup: int, steps: int):
                 continue
             if i >= warmup:
                 times_t.append(t)
-            if i == 0:
-                print(f"{name}_first_losses: ours {loss_o:.4f} speculators {loss_t:.4f}")
-    med_o = statistics.median(times_o)
-    med_t = statistics.median(times_t) if theirs is not None else None
-    return med_o, med_t, (None if theirs is not None else why)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    medians["speculators"] = statistics.median(times_t) if theirs is not None else None
+    return medians, (None if theirs is not None else why)
 
 
 def main() -> None:
@@ -231,22 +301,25 @@ def main() -> None:
         print(f"config: {json.dumps(config)}")
 
         results = {}
-        ours, drafter, theirs = eagle3_sides(info, head, batch, tmp, args.ttt_steps)
+        ours, drafter, theirs, check = eagle3_sides(info, head, batch, tmp, args.ttt_steps)
         print(f"eagle3_ours_trainable_params: {sum(p.numel() for p in trainable(drafter))}")
-        results["eagle3"] = race("eagle3", ours, theirs, warmup, steps)
-        ours, drafter, theirs = dflash_sides(info, head, batch, tmp, args.dflash_layers, max_anchors)
+        results["eagle3"] = race("eagle3", ours, theirs, check, warmup, steps)
+        ours, drafter, theirs, check = dflash_sides(info, head, batch, tmp, args.dflash_layers, max_anchors)
         print(f"dflash_ours_trainable_params: {sum(p.numel() for p in trainable(drafter))}")
-        results["dflash"] = race("dflash", ours, theirs, warmup, steps)
+        results["dflash"] = race("dflash", ours, theirs, check, warmup, steps)
 
-    for name, (med_o, med_t, why) in results.items():
-        print(f"{name}_ours_step_s: {med_o:.4f}")
-        if med_t is None:
-            print(f"{name}_speculators_step_s: unavailable ({why})")
-        else:
-            print(f"{name}_speculators_step_s: {med_t:.4f}")
-    for name, (med_o, med_t, why) in results.items():
-        print(f"{name}_step_ratio: {med_o / med_t:.3f}" if med_t else f"{name}_step_ratio: nan ({why})")
-
+    print(f"speculators_configuration: {SPECULATORS_CPU}")
+    for name, (medians, why) in results.items():
+        for variant, med in medians.items():
+            shown = f"{med:.4f}" if med is not None else f"unavailable ({why})"
+            print(f"{name}_{variant}_step_s: {shown}")
+    for name, (medians, why) in results.items():  # ablations first, the headline ratios last
+        for variant in medians:
+            if variant.startswith("ours_") and medians["speculators"]:
+                print(f"{name}_{variant.removeprefix('ours_')}_ratio: {medians[variant] / medians['speculators']:.3f}")
+    for name, (medians, why) in results.items():
+        ref = medians["speculators"]
+        print(f"{name}_step_ratio: {medians['ours'] / ref:.3f}" if ref else f"{name}_step_ratio: nan ({why})")
 
 if __name__ == "__main__":
     main()

@@ -223,7 +223,11 @@ class DFlashDrafter(Drafter):
         return sample_anchors(torch.nonzero(batch.loss_mask_T).squeeze(-1), self.cfg.max_anchors, generator)
 
     def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator) -> StepOutput:
-        anchors_N = self.select_anchors(batch, generator)
+        return self.block_loss(batch, head, self.select_anchors(batch, generator))
+
+    def block_loss(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> StepOutput:
+        """Loss and metrics of one block per anchor (the anchors chosen by the caller, so a reference
+        implementation can be compared on the same blocks)."""
         pos_NK, valid_NK = self.label_positions(batch, anchors_N)
         last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
         # Response-only target logits: the target's token at p comes from its state at p-1.

@@ -15,7 +15,14 @@ Matches speculators 0.9.0 (models/eagle3) and vLLM 0.32 (qwen3_eagle3.py, spec_d
   speculators' diagonal draft mask over its growing KV cache, and exactly what vLLM's drafter KV cache holds.
 - Training (speculators' forward): step 0 over every pair of the pack, steps 1..ttt_steps-1 teacher-forced with
   the true tokens, loss KL(target || draft) over the draft vocabulary, step weight decay^s (1.0: equal).
-  Later steps run only on chains that carry a label (speculators runs all T; the scored rows are identical).
+- Scored rows: step s of the chain anchored at pair t (input token t) when token t and the predicted token
+  t+1+s are response tokens of one document. These are exactly the rows vLLM's acceptance counts: its first
+  draft follows the target's first response token, so every served anchor is a response token and a draft
+  past the response is never counted. speculators scores step s when token t+s is a response token, which
+  also trains chains anchored in the prompt and the prediction past a document's last token; with its loss
+  mask set to mask[t] & mask[t+1] both score the same rows on a document whose tokens after the first are all
+  response (tests/drafters/test_eagle3.py checks loss and gradients on such a batch). Later steps run only on
+  chains that carry a label (speculators runs every pair at every step).
 
 Suffixes: T packed tokens, S drafter pairs, N chains (anchors), D hidden, H/d heads/head dim, V vocab.
 """
@@ -282,17 +289,24 @@ class Eagle3Drafter(Drafter):
 
     def chain_labels(self, batch: PackedBatch, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [S, ttt] that step s of the chain at each pair predicts (anchor + 1 + s), and which of
-        them are response tokens of the anchor's document."""
+        them are scored: the anchor token and the predicted one are response tokens of the anchor's document
+        (the rows vLLM's acceptance counts; module docstring)."""
         T = batch.num_tokens
         pos_SK = pairs.t_S[:, None] + 1 + torch.arange(self.cfg.ttt_steps, device=pairs.t_S.device)
         clamped = pos_SK.clamp(max=T - 1)
-        valid = (pos_SK < T) & batch.loss_mask_T[clamped] & (batch.document_ids_T[clamped] == pairs.document_ids_S[:, None])
+        same_doc = batch.document_ids_T[clamped] == pairs.document_ids_S[:, None]
+        valid = (pos_SK < T) & batch.loss_mask_T[clamped] & same_doc & batch.loss_mask_T[pairs.t_S][:, None]
         return clamped, valid
+
+    def unrolled_chains(self, valid_SK: torch.Tensor) -> torch.Tensor:
+        """Pairs whose chain runs steps 1..ttt-1: those with a scored row (speculators runs every pair; the
+        loss is the same, bench/step_vs_speculators.py times both)."""
+        return torch.nonzero(valid_SK.any(1)).squeeze(-1)
 
     def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator) -> StepOutput:
         pairs = self.pairs(batch)
         pos_SK, valid_SK = self.chain_labels(batch, pairs)
-        chain_S_N = torch.nonzero(valid_SK.any(1)).squeeze(-1)
+        chain_S_N = self.unrolled_chains(valid_SK)
         if chain_S_N.numel() == 0:  # no response token in the pack: a zero loss that still backpropagates
             zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
             empty = torch.zeros(0, self.cfg.ttt_steps, dtype=torch.bool, device=zero.device)

@@ -9,22 +9,9 @@ from drafters.dflash import DFlashConfig, DFlashDrafter, dpace_weights, spread_l
 from kernels.attention import anchor_block_mask
 from trainer.batch import PackedBatch
 from trainer.target import TargetHead, TargetInfo
+from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-
-
-def make_batch(info: TargetInfo, layer_ids, lengths=(20, 14), prompt=(8, 6), seed=0) -> PackedBatch:
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    loss_mask = torch.cat([torch.arange(n) >= p for n, p in zip(lengths, prompt)])
-    return PackedBatch(
-        input_ids_T=torch.randint(0, info.vocab_size, (T,), generator=g),
-        loss_mask_T=loss_mask,
-        hidden_TLD=torch.randn(T, len(layer_ids), info.hidden_size, generator=g),
-        document_ids_T=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
-        position_ids_T=torch.cat([torch.arange(n) for n in lengths]),
-        layer_ids=tuple(layer_ids),
-        row_ids=tuple(range(len(lengths))),
-    )
+from tests.drafters.parity import assert_same_loss_and_gradients
 
 
 def small_cfg(**kw) -> DFlashConfig:
@@ -88,45 +75,83 @@ def test_training_step_learns(tiny_llama_dir):
     assert out.correct_K.sum() > 0.5 * out.total_K.sum()
 
 
-@pytest.mark.parametrize("causal_in_block", [False, True])
-def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, causal_in_block):
-    """Our export, loaded by speculators' own DFlashDraftModel, gives the same logits (fp32, 1e-4)."""
+def _drafter_and_reference(info: TargetInfo, head: TargetHead, tmp_path, **cfg):
+    """A 2-layer drafter (norms away from 1 so a convention mix-up would show), exported and loaded back by
+    speculators 0.9.0's own DFlashDraftModel (fp32, eager attention)."""
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
-    from speculators.models.dflash.utils import select_anchors
 
     torch.manual_seed(0)
-    info = TargetInfo.load(tiny_llama_dir)
-    head = TargetHead(info)
-    drafter = DFlashDrafter(small_cfg(causal_in_block=causal_in_block, sliding_window=16 if causal_in_block else None),
-                            info, mask_token_id=3)
-    for p in drafter.parameters():  # norms away from 1 so a convention mix-up would show
+    drafter = DFlashDrafter(small_cfg(**cfg), info, mask_token_id=3)
+    for p in drafter.parameters():
         if p.ndim == 1:
             p.data.uniform_(0.5, 1.5)
     drafter.export(tmp_path, info)
-    config = json.loads((tmp_path / "config.json").read_text())
-    assert config["sliding_window_non_causal"] is (not causal_in_block)
-
     ref_config = DFlashSpeculatorConfig.from_pretrained(str(tmp_path))
     ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
-    ref = DFlashDraftModel.from_pretrained(str(tmp_path), config=ref_config).float().eval()
+    ref = DFlashDraftModel.from_pretrained(str(tmp_path), config=ref_config).float()
     ref.load_verifier_weights()
     # speculators 0.9.0 + transformers 5.19 can leave embed_tokens as uninitialised (not NaN) memory, which
     # load_verifier_weights() then keeps: give the reference the target's embeddings explicitly.
     ref.embed_tokens.weight.data.copy_(head.embed_tokens.weight)
+    return drafter, ref
+
+
+def _reference_inputs(batch: PackedBatch, drafter, info: TargetInfo) -> tuple:
+    """speculators' forward arguments for a pack (no shift: DFlash blocks start at the anchor itself)."""
+    return (batch.layers(drafter.target_layer_ids).flatten(1)[None], batch.input_ids_T[None],
+            batch.loss_mask_T[None].long(), batch.layers([info.num_hidden_layers])[:, 0][None],
+            batch.document_ids_T[None], batch.position_ids_T[None])
+
+
+@pytest.mark.parametrize("causal_in_block", [False, True])
+def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, causal_in_block):
+    """Our export, loaded by speculators' own DFlashDraftModel, gives the same logits (fp32, 1e-4)."""
+    from speculators.models.dflash.utils import select_anchors
+
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    drafter, ref = _drafter_and_reference(info, head, tmp_path, causal_in_block=causal_in_block,
+                                          sliding_window=16 if causal_in_block else None)
+    ref.eval()
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["sliding_window_non_causal"] is (not causal_in_block)
     batch = make_batch(info, drafter.feature_spec().layer_ids)
     B = drafter.block_size
     n_valid = int(batch.loss_mask_T[:-B].sum())
     torch.manual_seed(7)
     anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, B)
-    aux = batch.layers(drafter.target_layer_ids).flatten(1)[None]
-    last = batch.layers([info.num_hidden_layers])[:, 0][None]
     torch.manual_seed(7)  # same anchors inside the reference
     with torch.no_grad():
-        _, ref_logits, _, _, _ = ref._backbone_forward(
-            aux, batch.input_ids_T[None], batch.loss_mask_T[None].long(), last, batch.document_ids_T[None],
-            batch.position_ids_T[None], max_anchors=n_valid)
+        _, ref_logits, _, _, _ = ref._backbone_forward(*_reference_inputs(batch, drafter, info), max_anchors=n_valid)
         ours = head.lm_head(drafter.block_hidden(batch, head, anchors)).reshape(1, -1, info.vocab_size)
     assert (ours - ref_logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("loss,weighting", [("ce", "dpace"), ("kl", "exp_decay")])
+def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path, loss, weighting):
+    """block_loss and every gradient equal speculators' DFlashDraftModel forward (its eager ce / kl_div loss,
+    D-PACE / fixed-exp-decay weights) on the same weights, batch and anchors (fp32, 1e-5 relative)."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.dflash.utils import select_anchors
+
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    head.lm_head.weight.data *= 30  # a peaked target, as a trained one is (and argmax labels without ties)
+    drafter, ref = _drafter_and_reference(info, head, tmp_path, loss=loss, loss_weighting=weighting)
+    for lm_head in (ref.lm_head, ref.verifier_lm_head):  # DFlash drafts through the target's own lm_head
+        lm_head.weight.data.copy_(head.lm_head.weight)
+    # Prompts longer than a block: speculators' loss mask has no document check, so no loss-carrying block
+    # may run into the next document's response for the two losses to agree.
+    batch = make_batch(info, drafter.feature_spec().layer_ids, lengths=(26, 22), prompt=(9, 9))
+    n_valid = int(batch.loss_mask_T[:-drafter.block_size].sum())  # all anchors: the selection is deterministic
+    anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, drafter.block_size)
+    out = drafter.block_loss(batch, head, anchors)
+    _, ref_loss, _ = ref(*_reference_inputs(batch, drafter, info), max_anchors=n_valid,
+                         loss_config=resolve_loss_config({"ce": "ce", "kl": "kl_div"}[loss], "eager"),
+                         per_position_loss_weight={"dpace": "dpace", "exp_decay": "fixed-exp-decay"}[weighting],
+                         gamma=drafter.cfg.decay_gamma, dpace_alpha=drafter.cfg.dpace_alpha)
+    # fc, hidden_norm, both layers' projections and norms, the final norm
+    assert_same_loss_and_gradients(drafter, out.loss, ref, ref_loss, min_params=12)
 
 
 def test_mask_token_is_chosen_when_the_configured_one_is_missing():

@@ -9,9 +9,10 @@ import torch
 from drafters.dflash import DFlashDrafter
 from drafters.dflash2 import (DFlash2Config, DFlash2Drafter, GroupedDynamicCausalConv, chunked_topk,
                               grouped_dynamic_conv, selector_training_candidates)
-from tests.drafters.test_dflash import make_batch
 from trainer.target import TargetHead, TargetInfo
+from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
+from tests.drafters.parity import assert_same_loss_and_gradients
 
 
 def small_cfg(**kw) -> DFlash2Config:
@@ -115,7 +116,8 @@ def test_training_step_learns(tiny_llama_dir):
 
 def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
     """Our export, loaded by speculators' own DFlash2DraftModel: same logits through non-identity convolutions,
-    same selector scores (fp32, 1e-4), and the same loss from their forward (eager KL)."""
+    same selector scores (fp32, 1e-4), and the same loss and gradients from their forward (eager KL; 1e-5
+    relative)."""
     from speculators.losses import resolve_loss_config
     from speculators.models.dflash.utils import select_anchors
     from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
@@ -156,34 +158,40 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
         ref_scores = ref.candidate_selector.score_candidates(logits, hidden, prev, candidates)
         ours = drafter.selector_scores(ours_hidden[0], prev[0], candidates[0], head)
         assert (ours - ref_scores[0]).abs().max() <= 1e-4
-        eager_tv = resolve_loss_config("tv", "eager")["tv"][0]  # their fused default needs Triton
-        _, ref_loss, _ = ref(*inputs, loss_config=resolve_loss_config("kl_div", "eager"), tv_loss_fn=eager_tv,
-                             max_anchors=n_valid)
-        out = drafter.block_loss(batch, head, anchors)
-    assert abs(float(out.loss) - float(ref_loss)) <= 1e-4
+    ref.train()
+    eager_tv = resolve_loss_config("tv", "eager")["tv"][0]  # their fused default needs Triton
+    _, ref_loss, _ = ref(*inputs, loss_config=resolve_loss_config("kl_div", "eager"), tv_loss_fn=eager_tv,
+                         max_anchors=n_valid)
+    out = drafter.block_loss(batch, head, anchors)
+    # fc, hidden_norm, both layers (convolutions included), the final norm, the candidate selector
+    assert_same_loss_and_gradients(drafter, out.loss, ref, ref_loss, min_params=14)
 
 
-def serve_export_losslessly(tmp_path, tiny_target, method: str, drafter_cls, cfg) -> None:
-    """Export a (random) drafter against tiny-llama and serve it with vLLM on Model Runner V2: greedy outputs
-    must equal the target's own, with drafts made (shared by test_dspark)."""
+# Trained before serving: an untrained drafter is lossless trivially, since nothing it drafts is accepted.
+GPU_TRAIN = ["target=tiny-llama", "drafter.num_layers=1", "drafter.init_from_target=false", "data.rows=48",
+             "data.heldout_rows=8", "data.prompt_tokens=120", "data.max_new_tokens=32", "trainer.token_budget=1024",
+             "trainer.max_steps=40", "trainer.checkpoint_every=40", "trainer.warmup_steps=4", "trainer.progress=false"]
+
+
+def serve_trained_export(tmp_path, cache_dir, tiny_target, drafter: str, method: str) -> None:
+    """Train `drafter` on tiny-llama through the CLI, serve its export with vLLM on Model Runner V2 next to the
+    target alone: greedy outputs equal the target's own, drafts are accepted, and vLLM's tau is within 5% of the
+    offline walk on vLLM's own base outputs (shared by test_dspark)."""
     import os
 
-    from transformers import AutoTokenizer
-
-    from bench.vllm_serve import compare
+    from tests.serving_helpers import assert_lossless, served_run
+    from tests.test_e2e import run_train
 
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # V1 rejects both DSpark and DFlash 2
     target_dir = tiny_target("tiny-llama")
-    info = TargetInfo.load(target_dir)
-    drafter = drafter_cls.build(cfg, info, AutoTokenizer.from_pretrained(target_dir))
-    drafter.export(tmp_path / "export", info)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, info.vocab_size, (40,), generator=g).tolist() for _ in range(4)]
-    result = compare(str(target_dir), prompts, 24, str(tmp_path / "export"), method, ignore_eos=True,
-                     dtype="float32", gpu_memory_utilization=0.3)
-    assert result.spec.num_speculative_tokens == drafter.num_speculative_tokens
-    assert result.spec.counters.num_drafts > 0
-    assert result.identical_outputs == result.num_prompts
+    run_dir = tmp_path / "run"
+    run_train([f"drafter={drafter}", *GPU_TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
+    served = served_run("tiny-llama", run_dir, target_dir, method)
+    assert_lossless(served)
+    vllm, ours = served["spec"].counters, served["offline"]
+    assert served["spec"].num_speculative_tokens == served["K"]
+    assert vllm.num_accepted_tokens > 0 and ours.num_accepted > 0, (vllm, ours)
+    assert abs(vllm.tau - ours.tau) <= 0.05 * ours.tau, (vllm.tau, ours.tau)
 
 
 @pytest.mark.gpu
@@ -192,6 +200,7 @@ def serve_export_losslessly(tmp_path, tiny_target, method: str, drafter_cls, cfg
                     reason="vLLM 0.32 serves DFlash 2 only on Model Runner V2 (GPU, Triton); on CPU Model Runner V1 "
                            "rejects it ('Model Runner V1 does not support: DFlash candidate-head drafts'), so CPU "
                            "parity is checked against speculators' DFlash2DraftModel above")
-def test_vllm_serves_export_losslessly(tmp_path, tiny_target):
-    """A DFlash 2 export served by vLLM (method dflash, architecture DFlash2DraftModel): lossless greedy."""
-    serve_export_losslessly(tmp_path, tiny_target, "dflash", DFlash2Drafter, small_cfg())
+def test_vllm_serves_trained_export(tmp_path, cache_dir, tiny_target):
+    """A trained DFlash 2 export served by vLLM (method dflash, architecture DFlash2DraftModel): lossless greedy,
+    accepted as the offline walk predicts."""
+    serve_trained_export(tmp_path, cache_dir, tiny_target, "dflash2", "dflash")

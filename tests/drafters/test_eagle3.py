@@ -11,21 +11,9 @@ from drafters.eagle3 import Eagle3Config, Eagle3Drafter, build_draft_vocab, defa
 from feature_server.contract import TokenizedRow
 from trainer.batch import PackedBatch
 from trainer.target import TargetHead, TargetInfo
+from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-
-
-def make_batch(info: TargetInfo, layer_ids, lengths=(20, 14), prompt=(8, 6), seed=0) -> PackedBatch:
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    return PackedBatch(
-        input_ids_T=torch.randint(0, info.vocab_size, (T,), generator=g),
-        loss_mask_T=torch.cat([torch.arange(n) >= p for n, p in zip(lengths, prompt)]),
-        hidden_TLD=torch.randn(T, len(layer_ids), info.hidden_size, generator=g),
-        document_ids_T=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
-        position_ids_T=torch.cat([torch.arange(n) for n in lengths]),
-        layer_ids=tuple(layer_ids),
-        row_ids=tuple(range(len(lengths))),
-    )
+from tests.drafters.parity import assert_same_loss_and_gradients
 
 
 def test_default_layer_ids_follow_vllm_and_clip_for_shallow_targets():
@@ -90,25 +78,22 @@ def test_propose_teacher_forced_equals_training_chains(tiny_llama_dir):
         assert forced == drafts[n].tolist()
 
 
-def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
-    """Our export, loaded by speculators' own Eagle3DraftModel, gives the same logits at every TTT step
-    (fp32, 1e-4), with a reduced draft vocabulary and two layers (the second a plain decoder layer)."""
+def _drafter_and_reference(info: TargetInfo, head: TargetHead, tmp_path):
+    """A 2-layer drafter with a reduced draft vocabulary (norms away from 1 so a convention mix-up would show),
+    exported and loaded back by speculators 0.9.0's own Eagle3DraftModel (fp32, eager attention)."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     torch.manual_seed(0)
-    info = TargetInfo.load(tiny_llama_dir)
-    head = TargetHead(info)
     drafter = Eagle3Drafter(Eagle3Config(target_layer_ids=[1, 2, 3], num_layers=2, draft_vocab_size=64), info)
-    rows = [TokenizedRow(0, tuple(range(0, 256, 3)), (1,) * 86)]
-    drafter.prepare(rows)
-    for p in drafter.parameters():  # norms away from 1 so a convention mix-up would show
+    drafter.prepare([TokenizedRow(0, tuple(range(0, 256, 3)), (1,) * 86)])
+    for p in drafter.parameters():
         if p.ndim == 1:
             p.data.uniform_(0.5, 1.5)
     drafter.export(tmp_path, info)
 
     ref_config = Eagle3SpeculatorConfig.from_pretrained(str(tmp_path))
     ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
-    ref = Eagle3DraftModel.from_pretrained(str(tmp_path), config=ref_config).float().eval()
+    ref = Eagle3DraftModel.from_pretrained(str(tmp_path), config=ref_config).float()
     ref.load_verifier_weights()
     # speculators 0.9.0 + transformers 5.19: from_pretrained leaves embed_tokens as uninitialised memory, not the
     # NaN its load_verifier_weights() tests for, so the verifier's embeddings are loaded only by luck (seen: 1 run
@@ -116,7 +101,16 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
     ref.embed_tokens.weight.data.copy_(head.embed_tokens.weight)
     assert ref.target_layer_ids == [1, 2, 3] and ref.draft_vocab_size == 64
     assert torch.equal(ref.d2t, drafter.d2t) and torch.equal(ref.t2d, drafter.t2d)
+    return drafter, ref
 
+
+def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
+    """Our export, loaded by speculators' own Eagle3DraftModel, gives the same logits at every TTT step
+    (fp32, 1e-4), with a reduced draft vocabulary and two layers (the second a plain decoder layer)."""
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    drafter, ref = _drafter_and_reference(info, head, tmp_path)
+    ref.eval()
     batch = make_batch(info, drafter.feature_spec().layer_ids)
     pairs = drafter.pairs(batch)
     # speculators' shift_batch per document: input x[1:], hidden g[:-1] = our pairs.
@@ -139,6 +133,49 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
     for s in range(steps):
         diff = (drafter.lm_head(normed[s]) - ref_logits[s][chains]).abs().max()
         assert diff <= 1e-4, (s, float(diff))
+
+
+def test_scored_rows_are_the_ones_vllm_counts(tiny_llama_dir):
+    """Step s of the chain at pair t is scored iff token t (the anchor) and token t+1+s are response tokens of
+    one document: prompt-anchored chains and predictions past a document are never trained."""
+    info = TargetInfo.load(tiny_llama_dir)
+    drafter = Eagle3Drafter(Eagle3Config(target_layer_ids=[1, 2, 3]), info)
+    batch = make_batch(info, drafter.feature_spec().layer_ids, lengths=(10, 7), prompt=(4, 3))
+    pairs = drafter.pairs(batch)
+    _, valid_SK = drafter.chain_labels(batch, pairs)
+    mask, doc, T = batch.loss_mask_T.tolist(), batch.document_ids_T.tolist(), batch.num_tokens
+    for i, t in enumerate(pairs.t_S.tolist()):
+        for s in range(drafter.cfg.ttt_steps):
+            p = t + 1 + s
+            expected = p < T and doc[p] == doc[t] and mask[t] and mask[p]
+            assert bool(valid_SK[i, s]) == expected, (t, s)
+    assert valid_SK.sum() == (6 - 1) + (6 - 2) + (6 - 3) + (4 - 1) + (4 - 2) + (4 - 3)  # anchors 4..8, 13..15
+
+
+def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path):
+    """training_step's loss and every gradient equal speculators' Eagle3DraftModel forward (eager KL loss) on the
+    same weights and batch (fp32, 1e-5 relative). One document of 1 prompt token then response: the scored rows
+    coincide when speculators' mask is mask[t] & mask[t+1] (module docstring)."""
+    from speculators.losses.eager import kl_div_loss
+
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    head.lm_head.weight.data *= 30  # a peaked target, as a trained one is
+    drafter, ref = _drafter_and_reference(info, head, tmp_path)
+    ref.verifier_lm_head.weight.data.copy_(head.lm_head.weight[drafter.draft_ids])
+    batch = make_batch(info, drafter.feature_spec().layer_ids, lengths=(30,), prompt=(1,))
+    out = drafter.training_step(batch, head, torch.Generator().manual_seed(0))
+
+    pairs = drafter.pairs(batch)
+    t_S, mask_T = pairs.t_S, batch.loss_mask_T
+    ref_mask = mask_T[t_S] & torch.cat([mask_T[t_S[:-1] + 1], mask_T.new_zeros(1)])
+    ref_out = ref(batch.layers(drafter.target_layer_ids)[t_S - 1].flatten(1)[None], batch.input_ids_T[t_S][None],
+                  pairs.document_ids_S[None], loss_mask=ref_mask[None], position_ids=pairs.rope_pos_S[None],
+                  verifier_last_hidden_states=batch.layers([info.num_hidden_layers])[t_S, 0][None],
+                  ttt_steps=drafter.cfg.ttt_steps, ttt_step_loss_decay=drafter.cfg.ttt_step_loss_decay,
+                  loss_config={"kl_div": (kl_div_loss, 1.0)})
+    # fc, both layers' projections and norms, the final norm
+    assert_same_loss_and_gradients(drafter, out.loss, ref, ref_out[1], min_params=10)
 
 
 # --- served by vLLM --------------------------------------------------------------------------------------------
