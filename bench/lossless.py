@@ -6,7 +6,7 @@
 Reports per method: identical outputs (token for token, against the target alone), the broken-JSON rate over the
 prompts whose stage answers in JSON, and a verdict ("base" is the target alone: the reference row, with the base's
 own broken-JSON rate). Greedy speculative decoding must reproduce the base output;
-on bf16 targets two runs can still part at a near-tie (REFERENCE.md), so each first divergence is scored with the
+on bf16 targets two runs can still part at a near-tie (docs/acceptance.md "Near-ties"), so each first divergence is scored with the
 target itself in fp32 (transformers): if the two tokens' logits are within NEAR_TIE_REL of each other it is a
 near-tie, otherwise the method CHANGED the output. Verdicts: lossless | near-ties only | CHANGED | CRASHED (the
 engine died; vLLM's error) | unsupported (with vLLM's or the runner's reason) | skipped (no drafter dir given). Last lines: `lossless[METHOD]: VERDICT`.

@@ -11,7 +11,7 @@
 Prints `name: value` lines, last `gap_pct` = 100 (tau_vllm_per_step - tau_offline) / tau_offline. tau_vllm_per_step
 is vLLM's tau corrected for steps without a draft (bench.vllm_serve.ServeResult.tau_per_step).
 
-Where the two differ (REFERENCE.md; measured in docs/choosing_a_drafter.md): fp32 targets match exactly; bf16 hybrid
+Where the two differ (docs/acceptance.md "Near-ties"; measured in docs/choosing_a_drafter.md): fp32 targets match exactly; bf16 hybrid
 targets differ by near-ties (vLLM's CPU kernels vs transformers' reference kernels give the target states the
 walk reads), which flip single accepted tokens and shift the path after them.
 """

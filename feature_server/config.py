@@ -6,11 +6,11 @@ from dataclasses import dataclass
 @dataclass
 class FeatureServerConfig:
     backend: str = "hf"  # hf | vllm
-    workers: int = 6  # feature workers per node, split evenly over its trainer ranks (launch/layout.py)
+    workers: int = 6  # feature workers per node, split evenly over its trainer ranks (trainer/layout.py)
     threads_per_worker: int = 1
     capacity_mb: int = 256  # shared-memory bytes in flight before workers block
     hidden_dtype: str = "bfloat16"
-    device: str = "cpu"  # auto | cpu | cuda: where the target runs (launch/layout.py assigns GPU indices)
+    device: str = "cpu"  # auto | cpu | cuda: where the target runs (trainer/layout.py assigns GPU indices)
     dtype: str | None = None  # target compute dtype; None = the checkpoint's
     # A worker that owes rows and sends nothing this long while the trainer waits is hung (a stuck GPU, a
     # deadlocked engine), not slow: it is killed and its rows reissued. Loading the target gets the longer bound.

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from launch.config import register_configs
 from launch.prepare import resolve_data, resolve_target
 from launch.ranks import launch_local
+from trainer.layout import torchrun_sizes
 from trainer.run_info import write_run_info
 from trainer.trainer import Trainer
 
@@ -37,6 +38,7 @@ def main(cfg: DictConfig) -> dict:
     train_path, heldout_path = resolve_data(OmegaConf.to_object(cfg.data), target_dir, cache_dir)
     if cfg.trainer.ranks > 1 and "LOCAL_RANK" not in os.environ:
         return _relaunch_as_ranks(cfg.trainer.ranks, run_dir)
+    _adopt_torchrun_sizes(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     write_run_info(run_dir, resolved)
     trainer = Trainer(
@@ -55,6 +57,19 @@ def main(cfg: DictConfig) -> dict:
         log.info("metrics: %s", json.dumps({k: metrics[k] for k in ("steps", "tau_offline", "training_seconds",
                                                                    "feature_extraction_seconds")}))
     return metrics
+
+
+def _adopt_torchrun_sizes(cfg: DictConfig) -> None:
+    """Under torchrun: trainer.ranks = its processes per node, feature_server.workers >= one per rank, unless the
+    command line set them (trainer/layout.py torchrun_sizes)."""
+    world = os.environ.get("LOCAL_WORLD_SIZE")
+    explicit = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    ranks, workers = torchrun_sizes(cfg.trainer.ranks, cfg.feature_server.workers, int(world) if world else None,
+                                    explicit)
+    if (ranks, workers) != (cfg.trainer.ranks, cfg.feature_server.workers):
+        log.info("torchrun: %s processes on this node -> trainer.ranks=%d, feature_server.workers=%d (was %d, %d)",
+                 world, ranks, workers, cfg.trainer.ranks, cfg.feature_server.workers)
+        cfg.trainer.ranks, cfg.feature_server.workers = ranks, workers
 
 
 def _relaunch_as_ranks(ranks: int, run_dir: Path) -> dict:

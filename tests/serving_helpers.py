@@ -1,4 +1,5 @@
-"""Shared by the served-drafter tests (tests/test_serving.py, tests/drafters/test_eagle3.py, test_mtp.py).
+"""Shared by the served-drafter tests (tests/test_serving.py, tests/drafters/test_eagle3.py, test_mtp.py,
+test_dspark.py and test_dflash2.py on a GPU).
 
 `served_run` serves a trained run's export on vLLM next to the target alone and walks the offline evaluator over
 vLLM's own base outputs (bench.vllm_acceptance.served_vs_offline), so the two sets of counters describe the same
@@ -6,11 +7,12 @@ decode path: equal on fp32 tiny-llama, within 5% on bf16 tiny-qwen3-next (docs/a
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from bench.prompts import read_prompts
-from bench.vllm_acceptance import identical_prefixes, served_vs_offline
+from bench.vllm_acceptance import served_vs_offline
 
 MAX_TOKENS, PROMPTS = 24, 6
 
@@ -76,3 +78,27 @@ def workload_prompts(target_dir, n: int) -> tuple[list[list[int]], list[str]]:
     prompts = [tok(tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for r in rows]
     return prompts, [r["stage"] for r in rows]
+
+
+# Trained before serving: an untrained drafter is lossless trivially, since nothing it drafts is accepted.
+GPU_TRAIN = ["target=tiny-llama", "drafter.num_layers=1", "drafter.init_from_target=false", "data.rows=48",
+             "data.heldout_rows=8", "data.prompt_tokens=120", "data.max_new_tokens=32", "trainer.token_budget=1024",
+             "trainer.max_steps=40", "trainer.checkpoint_every=40", "trainer.warmup_steps=4", "trainer.progress=false"]
+
+
+def serve_trained_export(tmp_path, cache_dir, tiny_target, drafter: str, method: str) -> None:
+    """Train `drafter` on tiny-llama through the CLI, serve its export with vLLM on Model Runner V2 next to the
+    target alone: greedy outputs equal the target's own, drafts are accepted, and vLLM's tau is within 5% of the
+    offline walk on vLLM's own base outputs (tests/drafters/test_dspark.py, test_dflash2.py)."""
+    from tests.cli import run_train
+
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # V1 rejects both DSpark and DFlash 2
+    target_dir = tiny_target("tiny-llama")
+    run_dir = tmp_path / "run"
+    run_train([f"drafter={drafter}", *GPU_TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
+    served = served_run("tiny-llama", run_dir, target_dir, method)
+    assert_lossless(served)
+    vllm, ours = served["spec"].counters, served["offline"]
+    assert served["spec"].num_speculative_tokens == served["K"]
+    assert vllm.num_accepted_tokens > 0 and ours.num_accepted > 0, (vllm, ours)
+    assert abs(vllm.tau - ours.tau) <= 0.05 * ours.tau, (vllm.tau, ours.tau)

@@ -3,7 +3,7 @@
 The offline walk (trainer.evaluate) replays vLLM's greedy decode path on the target's true hidden states of
 vLLM's own base outputs, so its counters should equal vLLM's: exactly on tiny-llama (fp32), closely on
 tiny-qwen3-next (bf16 kernels). Comparing counters, not only outputs, is what catches the silent failures of
-REFERENCE.md: a guessed method or off-by-one layer ids stay lossless but change acceptance. The last test
+docs/vllm.md: a guessed method or off-by-one layer ids stay lossless but change acceptance. The last test
 proves the check is sensitive by serving such a broken export.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 from bench.vllm_serve import serve
 from tests.serving_helpers import MAX_TOKENS, assert_acceptance_matches_offline, assert_lossless, served_run
-from tests.test_e2e import run_train
+from tests.cli import run_train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # Layers start fresh here: on the templated tiny targets, layers copied from the target learn slower in 40 steps
@@ -44,6 +44,15 @@ def served(request, tmp_path_factory, cache_dir, tiny_target):
 
 def test_served_outputs_are_lossless(served):
     assert_lossless(served)
+
+
+def test_trained_drafter_is_well_above_the_untrained_one(served):
+    """The export's held-out tau against the same held-out rows walked at step 0 (the untrained drafter, the
+    first point of the run's curve): a drafter that does not learn, or an export of the wrong weights, fails."""
+    metrics = json.loads((served["run_dir"] / "metrics.json").read_text())
+    untrained = metrics["heldout_curve"][0]
+    assert untrained["step"] == 0
+    assert metrics["tau_offline"] >= untrained["heldout_tau"] + 0.25, (metrics["tau_offline"], untrained)
 
 
 def test_served_acceptance_equals_offline_walk(served):

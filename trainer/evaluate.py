@@ -6,7 +6,7 @@ accepts the longest matching prefix n and adds its own token, so the next anchor
 Since a block's draft depends only on states before its anchor and the anchor token, the drafts of
 all anchors come from one batched pass, and the walk just reads them.
 
-T > 0 (`temperature`): the lossless rule (Leviathan et al. 2023; REFERENCE.md "Acceptance arithmetic"):
+T > 0 (`temperature`): the lossless rule (Leviathan et al. 2023; docs/acceptance.md):
 draft x_k is accepted with probability min(1, p_k(x_k) / q_k(x_k)), p = softmax(target logits / T),
 q = the draft distribution; the first rejection resamples from normalize(max(0, p - q)). Two drafting
 modes: "greedy" (q one-hot at propose()'s draft, as vLLM drafts: accept while the draft equals a sample

@@ -58,3 +58,19 @@ def cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def torchrun_sizes(ranks: int, workers: int, local_world_size: int | None, explicit: set[str]) -> tuple[int, int]:
+    """(trainer.ranks, feature_server.workers) for a process started by torchrun (or launch/ranks.py, or a Ray
+    job), which says how many trainer processes share this node (LOCAL_WORLD_SIZE).
+
+    A setting the user passed on the command line (`explicit`, dotted keys) stays as given (Trainer then reports
+    a mismatch); otherwise ranks follow torchrun, and workers rise to the next multiple of ranks, so every rank
+    reads at least one worker of its own. Outside torchrun (local_world_size None) nothing changes."""
+    if local_world_size is None:
+        return ranks, workers
+    if "trainer.ranks" not in explicit:
+        ranks = local_world_size
+    if "feature_server.workers" not in explicit and ranks >= 1 and workers % ranks:
+        workers = ranks * -(-workers // ranks)
+    return ranks, workers

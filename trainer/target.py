@@ -2,7 +2,7 @@
 
 The trainer never loads the whole target. It reads only the embeddings, the final norm and the
 lm_head from the checkpoint, and computes the target distribution itself from the last hidden state
-(REFERENCE.md: vLLM returns pre-final-norm states, so the final norm is applied here).
+(docs/vllm.md: vLLM returns pre-final-norm states, so the final norm is applied here).
 """
 
 import json

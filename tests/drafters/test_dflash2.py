@@ -167,33 +167,6 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
     assert_same_loss_and_gradients(drafter, out.loss, ref, ref_loss, min_params=14)
 
 
-# Trained before serving: an untrained drafter is lossless trivially, since nothing it drafts is accepted.
-GPU_TRAIN = ["target=tiny-llama", "drafter.num_layers=1", "drafter.init_from_target=false", "data.rows=48",
-             "data.heldout_rows=8", "data.prompt_tokens=120", "data.max_new_tokens=32", "trainer.token_budget=1024",
-             "trainer.max_steps=40", "trainer.checkpoint_every=40", "trainer.warmup_steps=4", "trainer.progress=false"]
-
-
-def serve_trained_export(tmp_path, cache_dir, tiny_target, drafter: str, method: str) -> None:
-    """Train `drafter` on tiny-llama through the CLI, serve its export with vLLM on Model Runner V2 next to the
-    target alone: greedy outputs equal the target's own, drafts are accepted, and vLLM's tau is within 5% of the
-    offline walk on vLLM's own base outputs (shared by test_dspark)."""
-    import os
-
-    from tests.serving_helpers import assert_lossless, served_run
-    from tests.test_e2e import run_train
-
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # V1 rejects both DSpark and DFlash 2
-    target_dir = tiny_target("tiny-llama")
-    run_dir = tmp_path / "run"
-    run_train([f"drafter={drafter}", *GPU_TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
-    served = served_run("tiny-llama", run_dir, target_dir, method)
-    assert_lossless(served)
-    vllm, ours = served["spec"].counters, served["offline"]
-    assert served["spec"].num_speculative_tokens == served["K"]
-    assert vllm.num_accepted_tokens > 0 and ours.num_accepted > 0, (vllm, ours)
-    assert abs(vllm.tau - ours.tau) <= 0.05 * ours.tau, (vllm.tau, ours.tau)
-
-
 @pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -203,4 +176,6 @@ def serve_trained_export(tmp_path, cache_dir, tiny_target, drafter: str, method:
 def test_vllm_serves_trained_export(tmp_path, cache_dir, tiny_target):
     """A trained DFlash 2 export served by vLLM (method dflash, architecture DFlash2DraftModel): lossless greedy,
     accepted as the offline walk predicts."""
+    from tests.serving_helpers import serve_trained_export
+
     serve_trained_export(tmp_path, cache_dir, tiny_target, "dflash2", "dflash")

@@ -138,6 +138,6 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, head_typ
 def test_vllm_serves_trained_export(tmp_path, cache_dir, tiny_target):
     """A trained DSpark export of tiny-llama served by vLLM (method dspark): greedy outputs equal the base, drafts
     accepted as the offline walk predicts."""
-    from tests.drafters.test_dflash2 import serve_trained_export
+    from tests.serving_helpers import serve_trained_export
 
     serve_trained_export(tmp_path, cache_dir, tiny_target, "dspark", "dspark")

@@ -190,7 +190,7 @@ TRAIN = ["drafter=eagle3", "drafter.draft_vocab_size=512", "data.rows=48", "data
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3-next"])
 def served(request, tmp_path_factory, cache_dir, tiny_target):
     from tests.serving_helpers import served_run
-    from tests.test_e2e import run_train
+    from tests.cli import run_train
 
     target_dir = tiny_target(request.param)
     run_dir = tmp_path_factory.mktemp(f"eagle3-{request.param}") / "run"

@@ -316,7 +316,7 @@ TRAIN = ["target=tiny-qwen3-next", "drafter=mtp", "data.rows=48", "data.heldout_
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, cache_dir, tiny_target):
     from tests.serving_helpers import served_run
-    from tests.test_e2e import run_train
+    from tests.cli import run_train
 
     target_dir = tiny_target("tiny-qwen3-next")
     run_dir = tmp_path_factory.mktemp("serve-mtp") / "run"

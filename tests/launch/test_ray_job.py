@@ -20,7 +20,7 @@ import pytest
 from launch.config import DataConfig
 from launch.prepare import resolve_data
 from tests.listeners import SampledRun, off_loopback_listeners
-from tests.test_e2e import REPO, SMALL
+from tests.cli import REPO, SMALL
 
 pytest.importorskip("ray", reason="needs the test extra: pip install 'ray[default]'")
 from omegaconf import OmegaConf  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from launch.sweep_summary import collect_rows, write_summary
 from tests.processes import run_bounded
-from tests.test_e2e import REPO, SMALL
+from tests.cli import REPO, SMALL
 
 
 def _fake_job(sweep_dir: Path, name: str, overrides: list[str], metrics: dict | None) -> None:

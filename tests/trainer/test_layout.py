@@ -29,3 +29,14 @@ def test_too_few_devices_is_a_clear_error(monkeypatch):
         plan_node(ranks=2, workers=5, trainer_device="cpu", worker_device="cpu", cuda_devices=0)
     with pytest.raises(ValueError, match="expected auto, cpu or cuda"):
         plan_node(ranks=1, workers=1, trainer_device="cuda:3", worker_device="cpu", cuda_devices=4)
+
+
+def test_torchrun_sets_ranks_and_enough_workers_unless_given():
+    from trainer.layout import torchrun_sizes
+
+    assert torchrun_sizes(1, 1, None, set()) == (1, 1)  # not under torchrun: unchanged
+    assert torchrun_sizes(1, 1, 2, set()) == (2, 2)  # cpu layout, --nproc-per-node 2: a worker per rank
+    assert torchrun_sizes(2, 6, 2, set()) == (2, 6)  # production node: already consistent
+    assert torchrun_sizes(2, 6, 4, set()) == (4, 8)  # 6 workers do not split over 4 ranks: 2 each
+    assert torchrun_sizes(1, 3, 2, {"feature_server.workers"}) == (2, 3)  # given: kept (plan_node then says why)
+    assert torchrun_sizes(1, 1, 2, {"trainer.ranks"}) == (1, 1)  # given: kept (Trainer reports the mismatch)
