@@ -46,6 +46,7 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
     from transformers import AutoTokenizer
 
     from feature_server.dataset import load_rows
+    from feature_server.config import FeatureServerConfig
     from feature_server.server import FeatureServer
     from trainer.evaluate import stages_by_row_id
     from trainer.validation import evaluate_as_served
@@ -59,7 +60,7 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
     if not rows:
         raise ValueError(f"{rows_path}: no usable rows ({skips.summary()})")
     spec = drafter.feature_spec()
-    with FeatureServer(str(target_dir), spec, rows) as server:
+    with FeatureServer(str(target_dir), spec, rows, FeatureServerConfig(workers=1)) as server:
         report = evaluate_as_served(drafter, head, server, spec.layer_ids, torch.device("cpu"),
                                     stages=stages_by_row_id(rows_path), temperature=temperature,
                                     draft_mode=draft_mode, seed=seed, max_generated=max_tokens)

@@ -1,6 +1,7 @@
 """Drafter quality on the realistic target (a benchmark, not a test):
 
-    python bench/quality.py [--quick] [--drafters dflash,dflash2,dspark,eagle3] [--steps N] [--out outputs/quality]
+    python bench/quality.py [--quick] [--drafters dflash,dflash2,dspark,eagle3] [--steps N] [--set KEY=VALUE ...]
+                           [--out outputs/quality]
 
 For each drafter, on `target=small-real` (launch/small_real.py) with `data=corpus` (self-distilled rows: real text
 prompts, the target's greedy continuations), it runs the main job twice through the CLI, as a user would:
@@ -15,6 +16,7 @@ training tokens goes to OUT/quality.png, the table to OUT/quality.json. Last lin
   bigram_tokens_per_step: X
   ngram_tokens_per_step: X
 --steps N: every drafter trains N steps instead of its FULL_STEPS entry (runs go to OUT/steps-N).
+--set KEY=VALUE: an override for every run, real and ablated (e.g. drafter.num_layers=2); named in the run dir.
 --quick: 400 training rows, a few steps per drafter (minutes; a smoke run of the whole bench, numbers meaningless).
 """
 
@@ -100,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--drafters", default=",".join(DRAFTERS))
     ap.add_argument("--steps", type=int, default=None, help="steps for every drafter (default: FULL_STEPS)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     ap.add_argument("--out", default="outputs/quality")
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill"))
     a = ap.parse_args(argv)
-    out = Path(a.out).resolve() / ("quick" if a.quick else f"steps-{a.steps}" if a.steps else "full")
+    name = "quick" if a.quick else f"steps-{a.steps}" if a.steps else "full"
+    # Hydra's override grammar takes no '=' inside hydra.run.dir's value: drafter.num_layers=2 -> num_layers2
+    out = Path(a.out).resolve() / "-".join([name, *(o.split(".")[-1].replace("=", "") for o in a.set)])
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(a.cache_dir)
     target_dir = resolve_target(TargetConfig(name="small-real"), cache)
@@ -114,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in a.drafters.split(","):
         steps = a.steps or (QUICK["steps"] if a.quick else FULL_STEPS[name])
-        results[name] = {"real": train(name, out / name, steps, a.quick, []),
+        results[name] = {"real": train(name, out / name, steps, a.quick, a.set),
                          "ablation": train(name, out / f"{name}-zero", steps, a.quick,
-                                           ["trainer.feature_ablation=zero"])}
+                                           [*a.set, "trainer.feature_ablation=zero"])}
     base = baselines(target_dir, train_path, heldout_path)
     plot(results, base, out / "quality.png")
     table = {name: {kind: {k: r[kind][k] for k in ("tau_offline", "per_position_acceptance", "steps", "train_tokens",

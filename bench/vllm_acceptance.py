@@ -38,6 +38,7 @@ def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], cont
     import torch
 
     from feature_server.contract import TokenizedRow
+    from feature_server.config import FeatureServerConfig
     from feature_server.server import FeatureServer
     from trainer.validation import evaluate_as_served
     from trainer.reload import load_run
@@ -46,7 +47,7 @@ def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], cont
     rows = [TokenizedRow(i, tuple(p + c), tuple([0] * len(p) + [1] * len(c)))
             for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))]
     spec = drafter.feature_spec()
-    with FeatureServer(str(target_dir), spec, rows) as server:
+    with FeatureServer(str(target_dir), spec, rows, FeatureServerConfig(workers=1)) as server:
         return evaluate_as_served(drafter, head, server, spec.layer_ids, torch.device("cpu"),
                                   stages=dict(enumerate(stages)) if stages else None, max_generated=max_generated)
 

@@ -33,6 +33,7 @@ import multiprocessing as mp
 import torch
 
 from feature_server.backends import BACKENDS, build_backend
+from feature_server.config import FeatureServerConfig
 from feature_server.contract import FeatureSample, FeatureSpec, TokenizedRow
 from feature_server.shm_transport import MAX_PRODUCERS, Received, ShmChannel, ShmProducer, sweep_segments
 
@@ -152,53 +153,53 @@ class SampleLedger:
 class FeatureServer:
     """Iterate FeatureSamples of this rank's rows (each exactly once, order not guaranteed).
 
-    workers: target processes for this rank; device: one for all, or one per worker ("cuda:3").
-    dtype: the target's compute dtype (None = the checkpoint's). batch_rows: rows per backend.extract call;
-    each worker holds at most 2 * batch_rows rows at a time (what a death puts back in the queue).
-    capacity_mb: shared memory for samples not yet released by the trainer, split over the workers (backpressure).
+    config: backend, target dtype, threads, shared-memory capacity (split over the workers; backpressure) and
+        the stall/load timeouts, as the run's `feature_server` settings give them (feature_server/config.py).
+    devices: one per worker of this server ("cuda:3"); None = config.workers workers on config.device. A
+        trainer rank passes its own workers' devices (trainer/layout.py), so config.workers stays per node.
+    batch_rows: rows per backend.extract call; each worker holds at most 2 * batch_rows rows at a time (what a
+        death puts back in the queue).
     skip_row_ids: rows already trained on (resume); skipping never moves a row to another rank.
     shm_prefix: file-name prefix; pass a stable one so a restart sweeps a crashed run's leftovers.
     max_worker_restarts: replacements started for workers that die, before the server gives up.
-    stall_timeout_s, load_timeout_s: a worker silent this long while the trainer waits (owing rows; or still
-        loading the target) is killed as hung, and treated as one that died.
+    A worker silent for config.stall_timeout_s while the trainer waits (owing rows; config.load_timeout_s while
+    still loading the target) is killed as hung, and treated as one that died.
 
     Use as a context manager, or iterate to the end (or break out): workers are stopped, segments swept.
     Workers die with the thread that started them (PR_SET_PDEATHSIG), so start it from a long-lived thread.
     """
 
-    def __init__(self, target_dir: str, spec: FeatureSpec, rows: Sequence[TokenizedRow], *, backend: str = "hf",
-                 workers: int = 1, rank: int = 0, num_ranks: int = 1, capacity_mb: float = 256,
-                 device: str | Sequence[str] = "cpu", dtype: str | None = None,
-                 skip_row_ids: frozenset[int] = frozenset(), threads_per_worker: int = 1, batch_rows: int = 1,
-                 shm_prefix: str | None = None, max_worker_restarts: int = 3, stall_timeout_s: float = 600,
-                 load_timeout_s: float = 1800):
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown feature backend {backend!r}; valid names: {sorted(BACKENDS)}")
-        if workers < 1 or num_ranks < 1 or not 0 <= rank < num_ranks:
-            raise ValueError(f"need workers >= 1 and 0 <= rank < num_ranks, got workers={workers}, rank={rank}, "
+    def __init__(self, target_dir: str, spec: FeatureSpec, rows: Sequence[TokenizedRow], config: FeatureServerConfig,
+                 *, devices: Sequence[str] | None = None, rank: int = 0, num_ranks: int = 1,
+                 skip_row_ids: frozenset[int] = frozenset(), batch_rows: int = 1, shm_prefix: str | None = None,
+                 max_worker_restarts: int = 3):
+        c = config
+        if c.backend not in BACKENDS:
+            raise ValueError(f"feature_server.backend={c.backend!r}; valid names: {sorted(BACKENDS)}")
+        devices = [c.device] * c.workers if devices is None else list(devices)
+        if not devices or num_ranks < 1 or not 0 <= rank < num_ranks:
+            raise ValueError(f"need >= 1 worker and 0 <= rank < num_ranks, got {len(devices)} workers, rank={rank}, "
                              f"num_ranks={num_ranks}")
-        if batch_rows < 1 or threads_per_worker < 1 or capacity_mb <= 0 or max_worker_restarts < 0:
-            raise ValueError(f"batch_rows ({batch_rows}), threads_per_worker ({threads_per_worker}), capacity_mb "
-                             f"({capacity_mb}) must be positive and max_worker_restarts ({max_worker_restarts}) >= 0")
-        if stall_timeout_s <= 0 or load_timeout_s <= 0:
-            raise ValueError(f"stall_timeout_s ({stall_timeout_s}) and load_timeout_s ({load_timeout_s}) must be "
-                             f"positive")
-        if workers + max_worker_restarts > MAX_PRODUCERS:
+        if batch_rows < 1 or c.threads_per_worker < 1 or c.capacity_mb <= 0 or max_worker_restarts < 0:
+            raise ValueError(f"batch_rows ({batch_rows}), feature_server.threads_per_worker ({c.threads_per_worker}) "
+                             f"and feature_server.capacity_mb ({c.capacity_mb}) must be positive and "
+                             f"max_worker_restarts ({max_worker_restarts}) >= 0")
+        if c.stall_timeout_s <= 0 or c.load_timeout_s <= 0:
+            raise ValueError(f"feature_server.stall_timeout_s ({c.stall_timeout_s}) and load_timeout_s "
+                             f"({c.load_timeout_s}) must be positive")
+        if len(devices) + max_worker_restarts > MAX_PRODUCERS:
             raise ValueError(f"workers + max_worker_restarts must be <= {MAX_PRODUCERS}")
-        devices = [device] * workers if isinstance(device, str) else list(device)
-        if len(devices) != workers:
-            raise ValueError(f"{len(devices)} devices given for {workers} workers (pass one device or one per worker)")
         _check_unique_ids(rows)
         self.spec = spec
         self.rows = [r for r in shard_rows(rows, rank, num_ranks) if r.row_id not in skip_row_ids]
-        self._capacity_bytes = max(1, int(capacity_mb * 2**20))
+        self._capacity_bytes = max(1, int(c.capacity_mb * 2**20))
         self._shm_prefix = shm_prefix
-        self._config = dict(backend=backend, target_dir=str(target_dir), spec=spec, dtype=dtype,
-                            threads=threads_per_worker, batch_rows=batch_rows, parent_pid=os.getpid())
+        self._config = dict(backend=c.backend, target_dir=str(target_dir), spec=spec, dtype=c.dtype,
+                            threads=c.threads_per_worker, batch_rows=batch_rows, parent_pid=os.getpid())
         self._devices = devices
         self._prefetch = 2 * batch_rows
         self._restarts_left = max_worker_restarts
-        self._stall_timeout_s, self._load_timeout_s = stall_timeout_s, load_timeout_s
+        self._stall_timeout_s, self._load_timeout_s = c.stall_timeout_s, c.load_timeout_s
         self._ledger = SampleLedger(spec, self.rows)
         self._ctx = mp.get_context("spawn")  # fork would copy the trainer's threads/CUDA state into the workers
         self._procs: dict[int, mp.process.BaseProcess] = {}  # producer id -> process (live and dead)

@@ -24,7 +24,6 @@ Legend: P = payload bytes, R = ring bytes. Ring offsets are virtual (monotonic);
 """
 
 import atexit
-import contextlib
 import glob
 import math
 import mmap

@@ -227,14 +227,10 @@ class Trainer:
     # --- pieces ----------------------------------------------------------------------------------
     def _server(self, rows, skip=frozenset(), sharded: bool = True) -> FeatureServer:
         """Workers over this rank's shard of `rows` (sharded=False: all of them, for rank-0 evaluation)."""
-        c = self.server_cfg
         rank, num_ranks = (self.dist.rank, self.dist.world_size) if sharded else (0, 1)
-        devices = self.layout.worker_devices[self.dist.local_rank]
-        return FeatureServer(self.target.path, self.spec, rows, backend=c.backend, workers=len(devices),
-                             rank=rank, num_ranks=num_ranks, capacity_mb=c.capacity_mb,
-                             device=list(devices), dtype=c.dtype, skip_row_ids=frozenset(skip),
-                             threads_per_worker=c.threads_per_worker, shm_prefix=self.shm_prefix,
-                             stall_timeout_s=c.stall_timeout_s, load_timeout_s=c.load_timeout_s)
+        return FeatureServer(self.target.path, self.spec, rows, self.server_cfg,
+                             devices=self.layout.worker_devices[self.dist.local_rank], rank=rank, num_ranks=num_ranks,
+                             skip_row_ids=frozenset(skip), shm_prefix=self.shm_prefix)
 
     def _resume(self) -> TrainState:
         path = latest_checkpoint(self.run_dir)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from feature_server.config import FeatureServerConfig
 from feature_server.contract import FeatureSpec, TokenizedRow
 from feature_server.hf_backend import HFBackend
 from feature_server.server import FeatureServer, FeatureWorkerError, SampleLedger, shard_rows
@@ -15,6 +16,11 @@ from feature_server.shm_transport import Received, segment_paths
 
 VOCAB, HIDDEN, LAYERS = 128, 32, 2
 SPEC = FeatureSpec(layer_ids=(0, 1, LAYERS), hidden_dtype="float32")
+
+
+def cfg(**settings) -> FeatureServerConfig:
+    """The run's feature_server settings with one worker on cpu unless given."""
+    return FeatureServerConfig(**{"workers": 1, **settings})
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def test_two_workers_deliver_every_row_exactly_once(target, request):
     rows = _rows(10)
     expected = {r.row_id: h for r, h in zip(rows, HFBackend(target, SPEC).extract(rows))}
     prefix = _prefix(request)
-    with FeatureServer(target, SPEC, rows, workers=2, shm_prefix=prefix) as server:
+    with FeatureServer(target, SPEC, rows, cfg(workers=2), shm_prefix=prefix) as server:
         got = {}
         for sample in server:
             assert sample.row_id not in got, f"row {sample.row_id} delivered twice"
@@ -68,12 +74,13 @@ def test_two_workers_deliver_every_row_exactly_once(target, request):
 def test_rank_shards_are_disjoint_and_complete_and_stable_under_skips(target):
     rows = _rows(23)
     skip = frozenset(r.row_id for r in rows[::5])
-    owned = [[r.row_id for r in FeatureServer(target, SPEC, rows, workers=2, rank=rank, num_ranks=3,
+    owned = [[r.row_id for r in FeatureServer(target, SPEC, rows, cfg(workers=2), rank=rank, num_ranks=3,
                                               skip_row_ids=skip).rows] for rank in range(3)]
     flat = [i for ids in owned for i in ids]
     assert len(flat) == len(set(flat)) and set(flat) == {r.row_id for r in rows} - skip
     # A resumed run (more rows skipped) keeps every remaining row on the same rank.
-    resumed = FeatureServer(target, SPEC, rows, workers=2, rank=0, num_ranks=3, skip_row_ids=skip | {rows[3].row_id})
+    resumed = FeatureServer(target, SPEC, rows, cfg(workers=2), rank=0, num_ranks=3,
+                            skip_row_ids=skip | {rows[3].row_id})
     assert [r.row_id for r in resumed.rows] == [i for i in owned[0] if i != rows[3].row_id]
 
 
@@ -83,7 +90,8 @@ def test_rank_sharding_is_disjoint_and_complete_and_skips_rows(target, request):
     skip = frozenset(r.row_id for r in rows[::4])
     prefix = _prefix(request)
     # Both ranks' servers run at once, as under torchrun.
-    servers = [FeatureServer(target, SPEC, rows, rank=r, num_ranks=2, skip_row_ids=skip, shm_prefix=f"{prefix}{r}")
+    servers = [FeatureServer(target, SPEC, rows, cfg(), rank=r, num_ranks=2, skip_row_ids=skip,
+                             shm_prefix=f"{prefix}{r}")
                for r in range(2)]
     seen = []
     for server in servers:
@@ -104,7 +112,7 @@ def test_worker_exception_names_worker_and_row_and_cleans_up(target, request):
     bad = TokenizedRow(rows[2].row_id, rows[2].input_ids[:-1] + (VOCAB + 3,), rows[2].loss_mask)
     rows[2] = bad
     prefix = _prefix(request)
-    server = FeatureServer(target, SPEC, rows, workers=1, shm_prefix=prefix)
+    server = FeatureServer(target, SPEC, rows, cfg(), shm_prefix=prefix)
     with pytest.raises(FeatureWorkerError, match=rf"worker 0 .*failed on row {bad.row_id}:.*outside the target "
                                                  rf"vocabulary") as err:
         for _ in server:
@@ -128,7 +136,7 @@ def test_killed_worker_without_restarts_raises_instead_of_hanging(target, reques
     rows = _rows(30)
     prefix = _prefix(request)
     # Tiny capacity: one sample in flight at a time, so the worker cannot finish while we hold off.
-    server = FeatureServer(target, SPEC, rows, workers=1, capacity_mb=1e-6, shm_prefix=prefix, max_worker_restarts=0)
+    server = FeatureServer(target, SPEC, rows, cfg(capacity_mb=1e-6), shm_prefix=prefix, max_worker_restarts=0)
     with pytest.raises(FeatureWorkerError, match=r"worker 0 .*exited with code -9 without reporting.*no workers left"
                                                  r".*rows \[\d+"):
         _consume_killing(server)
@@ -140,7 +148,8 @@ def test_killed_worker_rows_are_reissued_exactly_once(target, request):
     """kill -9 one of two workers mid-run: its in-flight rows go to the other; every row arrives exactly once."""
     rows = _rows(40)
     prefix = _prefix(request)
-    server = FeatureServer(target, SPEC, rows, workers=2, capacity_mb=1e-6, shm_prefix=prefix, max_worker_restarts=0)
+    server = FeatureServer(target, SPEC, rows, cfg(workers=2, capacity_mb=1e-6), shm_prefix=prefix,
+                           max_worker_restarts=0)
     got = _consume_killing(server, kill_after=3)
     stats = server.stats()
     assert sorted(got) == sorted(r.row_id for r in rows)  # nothing lost, nothing twice
@@ -148,8 +157,7 @@ def test_killed_worker_rows_are_reissued_exactly_once(target, request):
     assert segment_paths(prefix) == []
 
     # With restarts, even a single worker's death is survived: a replacement takes the rows over.
-    server = FeatureServer(target, SPEC, rows[:12], workers=1, capacity_mb=1e-6, shm_prefix=prefix,
-                           max_worker_restarts=1)
+    server = FeatureServer(target, SPEC, rows[:12], cfg(capacity_mb=1e-6), shm_prefix=prefix, max_worker_restarts=1)
     got = _consume_killing(server, kill_after=2)
     assert sorted(got) == sorted(r.row_id for r in rows[:12])
     assert server.stats()["workers_died"] == 1 and server.stats()["workers_done"] == 1
@@ -162,8 +170,8 @@ def test_hung_worker_is_killed_and_its_rows_reissued_exactly_once(target, reques
     stall_timeout_s for it, it is killed and its rows go to the other worker; every row arrives exactly once."""
     rows = _rows(16)
     prefix = _prefix(request)
-    server = FeatureServer(target, SPEC, rows, workers=2, capacity_mb=1e-6, shm_prefix=prefix, max_worker_restarts=0,
-                           stall_timeout_s=5)
+    server = FeatureServer(target, SPEC, rows, cfg(workers=2, capacity_mb=1e-6, stall_timeout_s=5), shm_prefix=prefix,
+                           max_worker_restarts=0)
     got = []
     for sample in server:
         got.append(sample.row_id)
@@ -184,7 +192,7 @@ def test_hung_worker_is_killed_and_its_rows_reissued_exactly_once(target, reques
 def test_worker_hung_while_loading_is_replaced(target, request, caplog):
     rows = _rows(4)
     prefix = _prefix(request)
-    server = FeatureServer(target, SPEC, rows, workers=1, shm_prefix=prefix, max_worker_restarts=1, load_timeout_s=20)
+    server = FeatureServer(target, SPEC, rows, cfg(load_timeout_s=20), shm_prefix=prefix, max_worker_restarts=1)
     server.start()
     hung = server.worker_pids()[0]
     os.kill(hung, signal.SIGSTOP)  # spawned a moment ago: still importing torch, long before its "ready"
@@ -253,10 +261,12 @@ def test_ledger_reissues_a_dead_workers_rows_and_drops_late_duplicates():
 def test_argument_errors(target):
     rows = _rows(3)
     with pytest.raises(ValueError, match="rank"):
-        FeatureServer(target, SPEC, rows, rank=2, num_ranks=2)
+        FeatureServer(target, SPEC, rows, cfg(), rank=2, num_ranks=2)
     with pytest.raises(ValueError, match="valid names: \\['hf'"):
-        FeatureServer(target, SPEC, rows, backend="nope")
+        FeatureServer(target, SPEC, rows, cfg(backend="nope"))
     with pytest.raises(ValueError, match=f"row id {rows[0].row_id} appears twice"):
-        FeatureServer(target, SPEC, rows + rows[:1])
-    with pytest.raises(ValueError, match="2 devices given for 1 workers"):
-        FeatureServer(target, SPEC, rows, device=["cpu", "cpu"])
+        FeatureServer(target, SPEC, rows + rows[:1], cfg())
+    with pytest.raises(ValueError, match="need >= 1 worker"):
+        FeatureServer(target, SPEC, rows, cfg(), devices=[])
+    with pytest.raises(ValueError, match="feature_server.capacity_mb"):
+        FeatureServer(target, SPEC, rows, cfg(capacity_mb=0))
