@@ -38,8 +38,9 @@ from launch.prepare import resolve_data, resolve_target  # noqa: E402
 
 DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
 K = 7  # draft tokens per step for every drafter and baseline
-# Full run: steps per drafter (each <= 30 min of training on 2 cores, docs/quality.md has the measured times).
-FULL_STEPS = {"dflash": 1500, "dflash2": 1200, "dspark": 1200, "eagle3": 1500}
+# Full run: steps per drafter, sized to ~30 min of training on 2 cores from the measured step rates
+# (docs/quality.md): eagle3 ~2 s/step with its feature waits, 2-layer dspark ~4 s/step, 5 layers ~2.5x that.
+FULL_STEPS = {"dflash": 180, "dflash2": 180, "dspark": 180, "eagle3": 900}
 QUICK = {"rows": 400, "heldout_rows": 16, "steps": 12}
 FULL = {"rows": 8000, "heldout_rows": 128}
 
