@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafters.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
+from drafters.eagle3 import Eagle3Config, Eagle3Drafter, speculators_loss_mask  # noqa: E402
 from feature_server.contract import TokenizedRow  # noqa: E402
 from trainer.batch import PackedBatch  # noqa: E402
 from trainer.target import TargetHead, TargetInfo  # noqa: E402
@@ -143,10 +143,8 @@ def eagle3_sides(info, head, batch, tmp: Path, ttt_steps: int):
         """speculators' forward on a pack, shifted as its shift_batch does per document: input x[1:], hidden
         g[:-1], verifier y[1:]; loss mask l[1:] (its own rule) or mask[t] & mask[t+1] (ours; the check)."""
         pairs = drafter.pairs(b)
-        t_S, mask_T = pairs.t_S, b.loss_mask_T
-        mask = mask_T[t_S]
-        if mask_rule == "ours":
-            mask = mask & torch.cat([mask_T[t_S[:-1] + 1], mask_T.new_zeros(1)])
+        t_S = pairs.t_S
+        mask = speculators_loss_mask(pairs, b.loss_mask_T) if mask_rule == "ours" else b.loss_mask_T[t_S]
         _, loss, _ = ref(b.layers(drafter.target_layer_ids)[t_S - 1].flatten(1)[None].contiguous(),
                          b.input_ids_T[t_S][None], pairs.document_ids_S[None], loss_mask=mask[None],
                          position_ids=pairs.rope_pos_S[None],

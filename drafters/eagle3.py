@@ -408,6 +408,14 @@ class Eagle3Drafter(Drafter):
         (out_dir / "config.json").write_text(json.dumps(self.speculators_config(target), indent=2) + "\n")
 
 
+def speculators_loss_mask(pairs: Pairs, loss_mask_T: torch.Tensor) -> torch.Tensor:
+    """speculators' loss mask over the pairs [S] under which its rule (score step s where mask[t+s]) scores the
+    rows ours does, on a document whose tokens after the first are all response: mask[t] & mask[t+1] (module
+    docstring). For loss comparisons with its Eagle3DraftModel (tests, bench/step_vs_speculators.py)."""
+    t_S = pairs.t_S
+    return loss_mask_T[t_S] & torch.cat([loss_mask_T[t_S[:-1] + 1], loss_mask_T.new_zeros(1)])
+
+
 def chain_metrics(loss, correct_NS, valid_NS, K: int) -> StepOutput:
     """Per-step accuracy padded to the K served positions (steps past ttt_steps are never scored) and the
     accepted-prefix length of each chain whose first step is scored."""

@@ -80,10 +80,12 @@ def workload_prompts(target_dir, n: int) -> tuple[list[list[int]], list[str]]:
     return prompts, [r["stage"] for r in rows]
 
 
-# Trained before serving: an untrained drafter is lossless trivially, since nothing it drafts is accepted.
-GPU_TRAIN = ["target=tiny-llama", "drafter.num_layers=1", "drafter.init_from_target=false", "data.rows=48",
-             "data.heldout_rows=8", "data.prompt_tokens=120", "data.max_new_tokens=32", "trainer.token_budget=1024",
-             "trainer.max_steps=40", "trainer.checkpoint_every=40", "trainer.warmup_steps=4", "trainer.progress=false"]
+# A block drafter trained before serving (an untrained one is lossless trivially: nothing it drafts is accepted).
+# Layers start fresh: on the templated tiny targets, layers copied from the target learn slower in 40 steps
+# (tiny-llama: held-out a_1 0.24 vs 0.39), and the counters checks need a drafter that is accepted often.
+SERVED_TRAIN = ["drafter.num_layers=1", "drafter.init_from_target=false", "data.rows=48", "data.heldout_rows=8",
+                "data.prompt_tokens=120", "data.max_new_tokens=32", "trainer.token_budget=1024", "trainer.max_steps=40",
+                "trainer.checkpoint_every=40", "trainer.warmup_steps=4", "trainer.progress=false"]
 
 
 def serve_trained_export(tmp_path, cache_dir, tiny_target, drafter: str, method: str) -> None:
@@ -95,7 +97,7 @@ def serve_trained_export(tmp_path, cache_dir, tiny_target, drafter: str, method:
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # V1 rejects both DSpark and DFlash 2
     target_dir = tiny_target("tiny-llama")
     run_dir = tmp_path / "run"
-    run_train([f"drafter={drafter}", *GPU_TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
+    run_train([f"drafter={drafter}", "target=tiny-llama", *SERVED_TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
     served = served_run("tiny-llama", run_dir, target_dir, method)
     assert_lossless(served)
     vllm, ours = served["spec"].counters, served["offline"]

@@ -13,15 +13,12 @@ import shutil
 import pytest
 
 from bench.vllm_serve import serve
-from tests.serving_helpers import MAX_TOKENS, assert_acceptance_matches_offline, assert_lossless, served_run
+from tests.serving_helpers import (MAX_TOKENS, SERVED_TRAIN, assert_acceptance_matches_offline, assert_lossless,
+                                   served_run)
 from tests.cli import run_train
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-# Layers start fresh here: on the templated tiny targets, layers copied from the target learn slower in 40 steps
-# (tiny-llama: held-out a_1 0.24 vs 0.39), and the counters check needs a drafter that is accepted often.
-TRAIN = ["drafter=dflash", "drafter.num_layers=1", "drafter.init_from_target=false", "data.rows=48",
-         "data.heldout_rows=8", "data.prompt_tokens=120", "data.max_new_tokens=32", "trainer.token_budget=1024",
-         "trainer.max_steps=40", "trainer.checkpoint_every=40", "trainer.warmup_steps=4", "trainer.progress=false"]
+TRAIN = ["drafter=dflash", *SERVED_TRAIN]
 
 
 # The third case trains on features extracted by vLLM itself (feature_server=vllm): its export must pass the same

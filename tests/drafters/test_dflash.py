@@ -7,11 +7,11 @@ import torch
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, dpace_weights, spread_layer_ids
 from kernels.attention import anchor_block_mask
-from trainer.batch import PackedBatch
 from trainer.target import TargetHead, TargetInfo
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-from tests.drafters.parity import assert_same_loss_and_gradients
+from tests.drafters.parity import (all_anchors, assert_same_loss_and_gradients, block_reference_inputs,
+                                   load_reference)
 
 
 def small_cfg(**kw) -> DFlashConfig:
@@ -86,28 +86,12 @@ def _drafter_and_reference(info: TargetInfo, head: TargetHead, tmp_path, **cfg):
         if p.ndim == 1:
             p.data.uniform_(0.5, 1.5)
     drafter.export(tmp_path, info)
-    ref_config = DFlashSpeculatorConfig.from_pretrained(str(tmp_path))
-    ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
-    ref = DFlashDraftModel.from_pretrained(str(tmp_path), config=ref_config).float()
-    ref.load_verifier_weights()
-    # speculators 0.9.0 + transformers 5.19 can leave embed_tokens as uninitialised (not NaN) memory, which
-    # load_verifier_weights() then keeps: give the reference the target's embeddings explicitly.
-    ref.embed_tokens.weight.data.copy_(head.embed_tokens.weight)
-    return drafter, ref
-
-
-def _reference_inputs(batch: PackedBatch, drafter, info: TargetInfo) -> tuple:
-    """speculators' forward arguments for a pack (no shift: DFlash blocks start at the anchor itself)."""
-    return (batch.layers(drafter.target_layer_ids).flatten(1)[None], batch.input_ids_T[None],
-            batch.loss_mask_T[None].long(), batch.layers([info.num_hidden_layers])[:, 0][None],
-            batch.document_ids_T[None], batch.position_ids_T[None])
+    return drafter, load_reference(DFlashDraftModel, DFlashSpeculatorConfig, tmp_path, head)
 
 
 @pytest.mark.parametrize("causal_in_block", [False, True])
 def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, causal_in_block):
     """Our export, loaded by speculators' own DFlashDraftModel, gives the same logits (fp32, 1e-4)."""
-    from speculators.models.dflash.utils import select_anchors
-
     info = TargetInfo.load(tiny_llama_dir)
     head = TargetHead(info)
     drafter, ref = _drafter_and_reference(info, head, tmp_path, causal_in_block=causal_in_block,
@@ -116,13 +100,12 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, causal_i
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["sliding_window_non_causal"] is (not causal_in_block)
     batch = make_batch(info, drafter.feature_spec().layer_ids)
-    B = drafter.block_size
-    n_valid = int(batch.loss_mask_T[:-B].sum())
     torch.manual_seed(7)
-    anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, B)
+    anchors, n_valid = all_anchors(batch, drafter.block_size)
     torch.manual_seed(7)  # same anchors inside the reference
     with torch.no_grad():
-        _, ref_logits, _, _, _ = ref._backbone_forward(*_reference_inputs(batch, drafter, info), max_anchors=n_valid)
+        _, ref_logits, _, _, _ = ref._backbone_forward(*block_reference_inputs(batch, drafter, info),
+                                                       max_anchors=n_valid)
         ours = head.lm_head(drafter.block_hidden(batch, head, anchors)).reshape(1, -1, info.vocab_size)
     assert (ours - ref_logits).abs().max() <= 1e-4
 
@@ -132,7 +115,6 @@ def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path, loss, we
     """block_loss and every gradient equal speculators' DFlashDraftModel forward (its eager ce / kl_div loss,
     D-PACE / fixed-exp-decay weights) on the same weights, batch and anchors (fp32, 1e-5 relative)."""
     from speculators.losses import resolve_loss_config
-    from speculators.models.dflash.utils import select_anchors
 
     info = TargetInfo.load(tiny_llama_dir)
     head = TargetHead(info)
@@ -143,10 +125,9 @@ def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path, loss, we
     # Prompts longer than a block: speculators' loss mask has no document check, so no loss-carrying block
     # may run into the next document's response for the two losses to agree.
     batch = make_batch(info, drafter.feature_spec().layer_ids, lengths=(26, 22), prompt=(9, 9))
-    n_valid = int(batch.loss_mask_T[:-drafter.block_size].sum())  # all anchors: the selection is deterministic
-    anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, drafter.block_size)
+    anchors, n_valid = all_anchors(batch, drafter.block_size)
     out = drafter.block_loss(batch, head, anchors)
-    _, ref_loss, _ = ref(*_reference_inputs(batch, drafter, info), max_anchors=n_valid,
+    _, ref_loss, _ = ref(*block_reference_inputs(batch, drafter, info), max_anchors=n_valid,
                          loss_config=resolve_loss_config({"ce": "ce", "kl": "kl_div"}[loss], "eager"),
                          per_position_loss_weight={"dpace": "dpace", "exp_decay": "fixed-exp-decay"}[weighting],
                          gamma=drafter.cfg.decay_gamma, dpace_alpha=drafter.cfg.dpace_alpha)

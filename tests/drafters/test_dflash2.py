@@ -12,7 +12,8 @@ from drafters.dflash2 import (DFlash2Config, DFlash2Drafter, GroupedDynamicCausa
 from trainer.target import TargetHead, TargetInfo
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-from tests.drafters.parity import assert_same_loss_and_gradients
+from tests.drafters.parity import (all_anchors, assert_same_loss_and_gradients, block_reference_inputs,
+                                   load_reference)
 
 
 def small_cfg(**kw) -> DFlash2Config:
@@ -119,7 +120,6 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
     same selector scores (fp32, 1e-4), and the same loss and gradients from their forward (eager KL; 1e-5
     relative)."""
     from speculators.losses import resolve_loss_config
-    from speculators.models.dflash.utils import select_anchors
     from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
     from speculators.models.dflash2.metrics import selector_training_candidates as ref_candidates
 
@@ -136,19 +136,13 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
     assert config["speculators_model_type"] == "dflash2" and config["sample_from_anchor"] is False
     assert (config["conv_kernel_size"], config["selector_top_k"]) == (2, 16)
 
-    ref_config = DFlash2SpeculatorConfig.from_pretrained(str(tmp_path))
-    ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
-    ref = DFlash2DraftModel.from_pretrained(str(tmp_path), config=ref_config).float().eval()
-    ref.load_verifier_weights()
+    ref = load_reference(DFlash2DraftModel, DFlash2SpeculatorConfig, tmp_path, head).eval()
     torch.testing.assert_close(ref.layers[1].mlp_conv.base_kernel, drafter.layers[1].mlp_conv.base_kernel)
     # Prompts longer than a block: speculators' loss mask has no document check (see test_dspark).
     batch = make_batch(info, drafter.feature_spec().layer_ids, lengths=(26, 22), prompt=(9, 9))
     B = drafter.block_size
-    n_valid = int(batch.loss_mask_T[:-B].sum())  # all anchors: their selection is then deterministic
-    anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, B)
-    inputs = (batch.layers(drafter.target_layer_ids).flatten(1)[None], batch.input_ids_T[None],
-              batch.loss_mask_T[None].long(), batch.layers([info.num_hidden_layers])[:, 0][None],
-              batch.document_ids_T[None], batch.position_ids_T[None])
+    anchors, n_valid = all_anchors(batch, B)
+    inputs = block_reference_inputs(batch, drafter, info)
     with torch.no_grad():
         hidden, logits, targets, _, block_idx = ref._backbone_forward(*inputs, max_anchors=n_valid)
         ours_hidden = drafter.block_hidden(batch, head, anchors).reshape(1, -1, info.hidden_size)

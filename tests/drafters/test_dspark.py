@@ -10,7 +10,8 @@ from drafters.dspark import DSparkConfig, DSparkDrafter
 from trainer.target import TargetHead, TargetInfo
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-from tests.drafters.parity import assert_same_loss_and_gradients
+from tests.drafters.parity import (all_anchors, assert_same_loss_and_gradients, block_reference_inputs,
+                                   load_reference)
 
 
 def small_cfg(**kw) -> DSparkConfig:
@@ -78,7 +79,6 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, head_typ
     """Our export, loaded by speculators' own DSparkDraftModel: same Markov-corrected logits and confidence
     logits (fp32, 1e-4), and the same loss and gradients from their forward (eager KL / TV; 1e-5 relative)."""
     from speculators.losses import resolve_loss_config
-    from speculators.models.dflash.utils import select_anchors
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
     torch.manual_seed(0)
@@ -94,20 +94,14 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, head_typ
     assert config["speculators_model_type"] == "dspark" and config["sample_from_anchor"] is True
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == drafter.block_size
 
-    ref_config = DSparkSpeculatorConfig.from_pretrained(str(tmp_path))
-    ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
-    ref = DSparkDraftModel.from_pretrained(str(tmp_path), config=ref_config).float().eval()
-    ref.load_verifier_weights()
+    ref = load_reference(DSparkDraftModel, DSparkSpeculatorConfig, tmp_path, head).eval()
     assert ref.markov_head.head_type == head_type
     # Prompts longer than a block: speculators' loss mask has no document check, so no loss-carrying block
     # may run into the next document's response for the two losses to agree.
     batch = make_batch(info, drafter.feature_spec().layer_ids, lengths=(26, 22), prompt=(9, 9))
     B, D = drafter.block_size, info.hidden_size
-    n_valid = int(batch.loss_mask_T[:-B].sum())  # all anchors: their selection is then deterministic
-    anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, B)
-    inputs = (batch.layers(drafter.target_layer_ids).flatten(1)[None], batch.input_ids_T[None],
-              batch.loss_mask_T[None].long(), batch.layers([info.num_hidden_layers])[:, 0][None],
-              batch.document_ids_T[None], batch.position_ids_T[None])
+    anchors, n_valid = all_anchors(batch, B)
+    inputs = block_reference_inputs(batch, drafter, info)
     with torch.no_grad():
         hidden, logits, _, _, block_idx = ref._backbone_forward(*inputs, max_anchors=n_valid)
         prev = batch.input_ids_T[block_idx].view(-1, B)
@@ -124,7 +118,8 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, head_typ
     _, ref_loss, metrics = ref(*inputs, loss_config=resolve_loss_config("kl_div", "eager"), tv_loss_fn=eager_tv,
                                max_anchors=n_valid)
     out = drafter.block_loss(batch, head, anchors)
-    assert abs(out.extra["confidence_loss"] - float(metrics["confidence_loss_sum"])) <= 1e-5 * out.extra["confidence_loss"]
+    confidence = out.extra["confidence_loss"]
+    assert abs(confidence - float(metrics["confidence_loss_sum"])) <= 1e-5 * confidence
     # fc, hidden_norm, both layers, the final norm, the Markov head and the confidence head
     assert_same_loss_and_gradients(drafter, out.loss, ref, ref_loss, min_params=14)
 

@@ -7,13 +7,14 @@ import shutil
 import pytest
 import torch
 
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter, build_draft_vocab, default_layer_ids
+from drafters.eagle3 import (Eagle3Config, Eagle3Drafter, build_draft_vocab, default_layer_ids,
+                             speculators_loss_mask)
 from feature_server.contract import TokenizedRow
 from trainer.batch import PackedBatch
 from trainer.target import TargetHead, TargetInfo
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-from tests.drafters.parity import assert_same_loss_and_gradients
+from tests.drafters.parity import assert_same_loss_and_gradients, load_reference
 
 
 def test_default_layer_ids_follow_vllm_and_clip_for_shallow_targets():
@@ -90,15 +91,7 @@ def _drafter_and_reference(info: TargetInfo, head: TargetHead, tmp_path):
         if p.ndim == 1:
             p.data.uniform_(0.5, 1.5)
     drafter.export(tmp_path, info)
-
-    ref_config = Eagle3SpeculatorConfig.from_pretrained(str(tmp_path))
-    ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
-    ref = Eagle3DraftModel.from_pretrained(str(tmp_path), config=ref_config).float()
-    ref.load_verifier_weights()
-    # speculators 0.9.0 + transformers 5.19: from_pretrained leaves embed_tokens as uninitialised memory, not the
-    # NaN its load_verifier_weights() tests for, so the verifier's embeddings are loaded only by luck (seen: 1 run
-    # in 3 drew garbage). Copy them: the embeddings are the target's in both implementations.
-    ref.embed_tokens.weight.data.copy_(head.embed_tokens.weight)
+    ref = load_reference(Eagle3DraftModel, Eagle3SpeculatorConfig, tmp_path, head)
     assert ref.target_layer_ids == [1, 2, 3] and ref.draft_vocab_size == 64
     assert torch.equal(ref.d2t, drafter.d2t) and torch.equal(ref.t2d, drafter.t2d)
     return drafter, ref
@@ -167,8 +160,7 @@ def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path):
     out = drafter.training_step(batch, head, torch.Generator().manual_seed(0))
 
     pairs = drafter.pairs(batch)
-    t_S, mask_T = pairs.t_S, batch.loss_mask_T
-    ref_mask = mask_T[t_S] & torch.cat([mask_T[t_S[:-1] + 1], mask_T.new_zeros(1)])
+    t_S, ref_mask = pairs.t_S, speculators_loss_mask(pairs, batch.loss_mask_T)
     ref_out = ref(batch.layers(drafter.target_layer_ids)[t_S - 1].flatten(1)[None], batch.input_ids_T[t_S][None],
                   pairs.document_ids_S[None], loss_mask=ref_mask[None], position_ids=pairs.rope_pos_S[None],
                   verifier_last_hidden_states=batch.layers([info.num_hidden_layers])[t_S, 0][None],
