@@ -26,7 +26,7 @@ from drafters import vllm_groups
 from drafters.target_init import init_layers_from_target
 from feature_server.contract import FeatureSpec
 from kernels.attention import anchor_block_plan
-from kernels.logits import chunked_argmax, chunked_ce, chunked_kl
+from kernels.logits import chunked_argmax, chunked_loss
 from trainer.batch import PackedBatch
 from trainer.target import RMSNorm, TargetHead, TargetInfo
 
@@ -230,23 +230,25 @@ class DFlashDrafter(Drafter):
         implementation can be compared on the same blocks)."""
         pos_NK, valid_NK = self.label_positions(batch, anchors_N)
         last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
-        # Response-only target logits: the target's token at p comes from its state at p-1.
-        target_state_MD = last_TD[pos_NK[valid_NK] - 1]
-        target_M = head.argmax(target_state_MD)
+        # Response-only target logits: the target's token at p comes from its state at p-1. A position is the
+        # label of up to K blocks: its greedy token is computed once.
+        states_U, index_M = torch.unique(pos_NK[valid_NK] - 1, return_inverse=True)
         hidden_MD = self.block_hidden(batch, head, anchors_N)[:, 1:][valid_NK]
-        # Draft logits only at loss positions, a chunk at a time (never [M, vocab] for backward).
+        # Draft logits only at loss positions, a chunk at a time (never [M, vocab] for backward); the greedy
+        # tokens for the metrics come from the same pass.
         W = head.lm_head.weight
         if self.cfg.loss == "kl":
-            loss_M = chunked_kl(hidden_MD, W, head.norm(target_state_MD.to(W.dtype)), W)
+            rows = chunked_loss("kl", hidden_MD, W, head.norm(last_TD[states_U].to(W.dtype))[index_M], W)
+            target_M = rows.target_token
         elif self.cfg.loss == "ce":
-            loss_M = chunked_ce(hidden_MD, W, target_M)
+            target_M = head.argmax(last_TD[states_U])[index_M]
+            rows = chunked_loss("ce", hidden_MD, W, labels_M=target_M)
         else:
             raise ValueError(f"drafter.loss={self.cfg.loss!r}; valid: ce, kl")
-        loss_NK = torch.zeros(valid_NK.shape, device=loss_M.device).masked_scatter(valid_NK, loss_M)
+        loss_NK = torch.zeros(valid_NK.shape, device=rows.loss.device).masked_scatter(valid_NK, rows.loss)
         weight_NK = position_weights(self.cfg, loss_NK, valid_NK)
         loss = (weight_NK * loss_NK).sum() / valid_NK.sum().clamp(min=1)
-        predicted_M = chunked_argmax(hidden_MD.detach(), head.lm_head.weight)
-        correct_NK = torch.zeros_like(valid_NK).masked_scatter(valid_NK, predicted_M == target_M)
+        correct_NK = torch.zeros_like(valid_NK).masked_scatter(valid_NK, rows.draft_token == target_M)
         return block_metrics(loss, correct_NK, valid_NK)
 
     @torch.no_grad()

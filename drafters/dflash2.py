@@ -27,7 +27,7 @@ from torch import nn
 
 from drafters.dflash import (DFlashConfig, DFlashDecoderLayer, DFlashDrafter, LayerShape, _init_linear,
                              block_metrics, position_weights)
-from kernels.logits import DEFAULT_CHUNK, chunked_argmax, chunked_kl
+from kernels.logits import DEFAULT_CHUNK, chunked_argmax, chunked_loss
 from trainer.batch import PackedBatch
 from trainer.target import TargetHead, TargetInfo
 
@@ -186,8 +186,8 @@ class DFlash2Drafter(DFlashDrafter):
         prev_M = batch.input_ids_T[state_M]  # ... and follows the token at p-1 (teacher forcing)
         W = head.lm_head.weight
         target_MD = head.norm(batch.layers([self.target.num_hidden_layers])[state_M, 0].to(W.dtype))
-        kl_M = chunked_kl(hidden_MD, W, target_MD, W)
-        target_M = chunked_argmax(target_MD, W)
+        kl_rows = chunked_loss("kl", hidden_MD, W, target_MD, W)  # the target's greedy tokens from the same pass
+        kl_M, target_M = kl_rows.loss, kl_rows.target_token
         _, candidates_MC = chunked_topk(hidden_MD.detach(), W, self.cfg.selector_top_k)
         training_MC, label_M, contains_M = selector_training_candidates(candidates_MC, target_M)
         scores_MC = self.selector_scores(hidden_MD, prev_M, training_MC, head)

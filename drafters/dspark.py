@@ -30,7 +30,7 @@ from torch import nn
 
 from drafters.dflash import (DFlashConfig, DFlashDrafter, _init_linear, block_metrics, exp_decay_weights,
                              position_weights)
-from kernels.logits import chunked_argmax, chunked_kl, chunked_tv
+from kernels.logits import chunked_argmax, chunked_loss
 from trainer.batch import PackedBatch
 from trainer.target import TargetHead, TargetInfo
 
@@ -174,13 +174,14 @@ class DSparkDrafter(DFlashDrafter):
         last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
         target_MD = head.norm(last_TD[state_NK[valid_NK]].to(W.dtype))  # logits = target_MD @ W_lm^T
         W_lm = head.lm_head.weight
-        kl_M = chunked_kl(x_MD, W, target_MD, W_lm)
+        # One chunked pass: the KL, and from its logits the greedy tokens and TV (the confidence head's label).
+        pass_M = chunked_loss("kl", x_MD, W, target_MD, W_lm, with_tv=True)
+        kl_M = pass_M.loss
         kl_NK = torch.zeros(valid_NK.shape, device=kl_M.device).masked_scatter(valid_NK, kl_M)
         rows = valid_NK.sum().clamp(min=1)
         kl_loss = (position_weights(self.cfg, kl_NK, valid_NK) * kl_NK).sum() / rows
         loss, extra = kl_loss, {"kl_loss": float(kl_loss.detach())}
-        with torch.no_grad():
-            accept_M = 1.0 - chunked_tv(x_MD.detach(), W.detach(), target_MD, W_lm)  # = sum_v min(p, q)
+        accept_M = 1.0 - pass_M.tv  # = sum_v min(p, q), with the draft detached
         if conf_NB is not None:
             conf_M = conf_NB[:, self.first_slot:][valid_NK]
             bce_M = F.binary_cross_entropy_with_logits(conf_M.float(), accept_M, reduction="none")
@@ -189,9 +190,7 @@ class DSparkDrafter(DFlashDrafter):
             loss = loss + self.cfg.confidence_alpha * conf_loss
             extra |= {"confidence_loss": float(conf_loss.detach()),
                       "confidence_abs_error": float((conf_M.detach().float().sigmoid() - accept_M).abs().mean())}
-        predicted_M = chunked_argmax(x_MD.detach(), W.detach())
-        target_M = chunked_argmax(target_MD, W_lm)
-        correct_NK = torch.zeros_like(valid_NK).masked_scatter(valid_NK, predicted_M == target_M)
+        correct_NK = torch.zeros_like(valid_NK).masked_scatter(valid_NK, pass_M.draft_token == pass_M.target_token)
         out = block_metrics(loss, correct_NK, valid_NK)
         out.extra = extra | {"accept_rate": float(accept_M.mean()) if accept_M.numel() else 0.0}
         return out

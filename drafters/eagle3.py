@@ -42,7 +42,7 @@ from drafters.base import Drafter, StepOutput, export_dtype, speculators_block
 from drafters.layers import QKVProjections, Rotary, SwiGLU, apply_rotary
 from feature_server.contract import FeatureSpec, TokenizedRow
 from kernels.attention import packed_causal_plan
-from kernels.logits import chunked_argmax, chunked_kl
+from kernels.logits import chunked_argmax, chunked_loss
 from trainer.batch import PackedBatch
 from trainer.target import RMSNorm, TargetHead, TargetInfo
 
@@ -326,9 +326,10 @@ class Eagle3Drafter(Drafter):
             if not rows.any():
                 continue
             prev_M = pos_NK[rows, s] - 1  # the target's token at p comes from its state at p-1
-            kl_M = chunked_kl(normed_ND[rows], self.lm_head.weight, head.norm(last_TD[prev_M]), target_weight_VD)
-            loss = loss + self.cfg.ttt_step_loss_decay**s * kl_M.mean()
-            predicted_M = draft_ids[chunked_argmax(normed_ND[rows].detach(), self.lm_head.weight)]
+            kl = chunked_loss("kl", normed_ND[rows], self.lm_head.weight, head.norm(last_TD[prev_M]), target_weight_VD)
+            loss = loss + self.cfg.ttt_step_loss_decay**s * kl.loss.mean()
+            predicted_M = draft_ids[kl.draft_token]
+            # Correct = the target's greedy token over its whole vocabulary (the KL's is over the draft vocab).
             correct_NK[rows, s] = predicted_M == head.argmax(last_TD[prev_M])
         return chain_metrics(loss, correct_NK, valid_NK, self.num_speculative_tokens)
 

@@ -37,7 +37,7 @@ from drafters.dflash import block_metrics
 from drafters.layers import Rotary, apply_rotary
 from feature_server.contract import FeatureSpec
 from kernels.attention import anchor_block_plan
-from kernels.logits import chunked_argmax, chunked_ce
+from kernels.logits import chunked_argmax, chunked_loss
 from kernels.moe import SparseMoeBlock, fuse_expert_weights
 from trainer.batch import PackedBatch
 from trainer.target import RMSNorm, TargetHead, TargetInfo
@@ -250,16 +250,18 @@ class MTPDrafter(Drafter):
         anchors_N = self.select_anchors(batch, generator)
         pos_NK, valid_NK = self.label_positions(batch, anchors_N)
         last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
-        target_M = head.argmax(last_TD[pos_NK[valid_NK] - 1])  # the target's token at p+k, from its state before
+        # The target's token at p+k, from its state before; a state is the label of up to K chains: once each.
+        states_U, index_M = torch.unique(pos_NK[valid_NK] - 1, return_inverse=True)
+        target_M = head.argmax(last_TD[states_U])[index_M]
         states_NKD, _ = self.unroll(batch, head, anchors_N, teacher_tokens=True)
         hidden_MD = states_NKD[valid_NK]
-        ce_M = chunked_ce(hidden_MD, head.lm_head.weight, target_M)  # response-only logits, chunked
+        rows = chunked_loss("ce", hidden_MD, head.lm_head.weight, labels_M=target_M)  # response-only, chunked
+        ce_M = rows.loss
         ce_NK = torch.zeros(valid_NK.shape, device=ce_M.device).masked_scatter(valid_NK, ce_M)
         per_step_K = ce_NK.sum(0) / valid_NK.sum(0).clamp(min=1)
         w_K = step_weights(self.num_speculative_tokens, self.cfg.loss_decay).to(per_step_K.device)
         loss = (w_K * per_step_K).sum()
-        predicted_M = chunked_argmax(hidden_MD.detach(), head.lm_head.weight)
-        correct_NK = torch.zeros_like(valid_NK).masked_scatter(valid_NK, predicted_M == target_M)
+        correct_NK = torch.zeros_like(valid_NK).masked_scatter(valid_NK, rows.draft_token == target_M)
         return block_metrics(loss, correct_NK, valid_NK)
 
     @torch.no_grad()

@@ -13,6 +13,8 @@ Logits are computed in the weights' dtype and upcast to fp32, as the reference d
 Suffixes: M loss positions, C chunk rows, D hidden, V vocab.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -46,19 +48,32 @@ def _loss_and_grad(kind, z_CV, target_CV, labels_C, ignore_index, need_grad):
 
 
 class _ChunkedLoss(torch.autograd.Function):
+    """Outputs: per-row loss [M] (differentiable) and, from the same chunks of logits (no extra matmul), the
+    draft's greedy token [M], the target's greedy token [M] and TV(p_target, q) [M] (empty when no target)."""
+
     @staticmethod
-    def forward(ctx, hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M, kind, chunk, ignore_index):
-        losses = []
+    def forward(ctx, hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M, kind, chunk, ignore_index,
+                want_tv):
+        losses, draft_tok, target_tok, tv = [], [], [], []
         for c0 in range(0, hidden_MD.shape[0], chunk):
             z, t = _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, c0, chunk)
             lab = labels_M[c0:c0 + chunk] if labels_M is not None else None
             losses.append(_loss_and_grad(kind, z, t, lab, ignore_index, need_grad=False)[0])
+            draft_tok.append(z.argmax(-1))
+            if t is not None:
+                target_tok.append(t.argmax(-1))
+            if want_tv:
+                tv.append(0.5 * (torch.softmax(t, -1) - torch.softmax(z, -1)).abs().sum(-1))
         ctx.save_for_backward(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M)
         ctx.kind, ctx.chunk, ctx.ignore_index = kind, chunk, ignore_index
-        return torch.cat(losses) if losses else hidden_MD.new_zeros(0, dtype=torch.float32)
+        empty_f, empty_l = hidden_MD.new_zeros(0, dtype=torch.float32), hidden_MD.new_zeros(0, dtype=torch.long)
+        outs = (torch.cat(losses) if losses else empty_f, torch.cat(draft_tok) if draft_tok else empty_l,
+                torch.cat(target_tok) if target_tok else empty_l, torch.cat(tv) if tv else empty_f)
+        ctx.mark_non_differentiable(*outs[1:])
+        return outs
 
     @staticmethod
-    def backward(ctx, g_M):
+    def backward(ctx, g_M, *_no_grad):
         hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M = ctx.saved_tensors
         chunk = ctx.chunk
         d_hidden = torch.empty_like(hidden_MD) if ctx.needs_input_grad[0] else None
@@ -73,7 +88,7 @@ class _ChunkedLoss(torch.autograd.Function):
             if d_weight is not None:
                 d_weight.add_(dz.t() @ hidden_MD[c0:c0 + chunk])  # accumulated over chunks in fp32
         d_weight = d_weight.to(weight_VD.dtype) if d_weight is not None else None
-        return d_hidden, d_weight, None, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None, None
 
 
 def _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, c0, chunk):
@@ -85,21 +100,43 @@ def _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, c0, 
     return z, t
 
 
+@dataclass
+class LossRows:
+    """Per-row results of one chunked pass: the loss (differentiable) and what the same logits give for free."""
+
+    loss: torch.Tensor  # [M] fp32
+    draft_token: torch.Tensor  # [M] the draft's greedy token (metrics, no extra lm_head pass)
+    target_token: torch.Tensor | None  # [M] the target's greedy token (KL/TV only)
+    tv: torch.Tensor | None  # [M] TV(p_target, q) with q detached: 1 - tv is the lossless acceptance rate
+
+
+def chunked_loss(kind: str, hidden_MD, weight_VD, target_hidden_MD=None, target_weight_VD=None, labels_M=None,
+                 chunk: int = DEFAULT_CHUNK, ignore_index: int = -100, with_tv: bool = False) -> LossRows:
+    """One chunked pass: per-row `kind` loss ("ce" to labels_M; "kl" / "tv" to the target's distribution) and,
+    from the same logits, the greedy tokens a training step reports as metrics (and TV with with_tv=True)."""
+    if kind == "ce":
+        target_hidden_MD = target_weight_VD = None
+    else:
+        target_hidden_MD, target_weight_VD = target_hidden_MD.detach(), target_weight_VD.detach()
+    loss, draft, target, tv = _ChunkedLoss.apply(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD,
+                                                 labels_M, kind, chunk, ignore_index, with_tv and kind != "ce")
+    with_target = target_hidden_MD is not None
+    return LossRows(loss, draft, target if with_target else None, tv if with_tv and with_target else None)
+
+
 def chunked_ce(hidden_MD, weight_VD, labels_M, chunk: int = DEFAULT_CHUNK, ignore_index: int = -100):
     """Per-position CE [M] of softmax(hidden W^T) to hard labels; equals `reference.ce_reference`."""
-    return _ChunkedLoss.apply(hidden_MD, weight_VD, None, None, labels_M, "ce", chunk, ignore_index)
+    return chunked_loss("ce", hidden_MD, weight_VD, labels_M=labels_M, chunk=chunk, ignore_index=ignore_index).loss
 
 
 def chunked_kl(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, chunk: int = DEFAULT_CHUNK):
     """Per-position KL(target || draft) [M]; target logits = target_hidden W_t^T, built per chunk, no grad."""
-    return _ChunkedLoss.apply(hidden_MD, weight_VD, target_hidden_MD.detach(), target_weight_VD.detach(), None,
-                              "kl", chunk, -100)
+    return chunked_loss("kl", hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, chunk=chunk).loss
 
 
 def chunked_tv(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, chunk: int = DEFAULT_CHUNK):
     """Per-position total-variation distance 0.5 |p_target - q| [M]; equals `reference.tv_reference`."""
-    return _ChunkedLoss.apply(hidden_MD, weight_VD, target_hidden_MD.detach(), target_weight_VD.detach(), None,
-                              "tv", chunk, -100)
+    return chunked_loss("tv", hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, chunk=chunk).loss
 
 
 @torch.no_grad()

@@ -78,3 +78,24 @@ def test_never_builds_more_than_one_chunk_of_logits(monkeypatch):
     monkeypatch.setattr(chunked_module, "_chunk_logits", spy)
     chunked_kl(hidden, weight, *target, chunk=10).sum().backward()
     assert max(seen) == 10 and sum(seen) == 2 * M  # forward once, recomputed once in backward
+
+
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+def test_one_pass_gives_the_metrics_the_step_reports(kind):
+    """chunked_loss's greedy tokens and TV come from the loss's own logits: equal to separate passes, with the
+    loss and its gradients unchanged."""
+    from kernels.logits import chunked_argmax, chunked_loss
+
+    hidden, weight, target, labels, g = inputs(torch.float32)
+    rows = chunked_loss(kind, hidden, weight, *target, labels_M=labels, chunk=4, with_tv=True)
+    assert torch.equal(rows.draft_token, chunked_argmax(hidden, weight))
+    if kind == "ce":
+        assert rows.target_token is None and rows.tv is None
+        expected = ce_reference(hidden, weight, labels)
+    else:
+        assert torch.equal(rows.target_token, chunked_argmax(*target))
+        assert rel_err(rows.tv, tv_reference(hidden, weight, *target)) <= 1e-5
+        expected = kl_reference(hidden, weight, *target)
+    assert rel_err(rows.loss, expected) <= 1e-5
+    for a, b in zip(torch.autograd.grad(rows.loss, (hidden, weight), g), torch.autograd.grad(expected, (hidden, weight), g)):
+        assert rel_err(a, b) <= 1e-5
