@@ -48,7 +48,13 @@ def _train(model, optimizers, batches, part=slice(None)):
         optimizers.zero_grad()
 
 
-def test_gathered_muon_is_torch_muon_on_plain_tensors():
+def test_gathered_muon_is_torch_muon_on_plain_tensors(monkeypatch):
+    """Bit for bit torch.optim.Muon's steps, with its Newton-Schulz run in fp32 as ours does off CUDA."""
+    import torch.optim._muon
+
+    from trainer.optim import newton_schulz_fp32
+
+    monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz_fp32)
     torch.manual_seed(0)
     ours, theirs = Stack(), Stack()
     theirs.load_state_dict(ours.state_dict())
