@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import multiprocessing as mp
 import torch
 
+from core.contract import FeatureSample, FeatureSpec, TokenizedRow
 from feature_server.backends import BACKENDS, build_backend
 from feature_server.config import FeatureServerConfig
-from feature_server.contract import FeatureSample, FeatureSpec, TokenizedRow
 from feature_server.shm_transport import MAX_PRODUCERS, Received, ShmChannel, ShmProducer, sweep_segments
 
 log = logging.getLogger(__name__)

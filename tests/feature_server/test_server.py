@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from core.contract import FeatureSpec, TokenizedRow
 from feature_server.config import FeatureServerConfig
-from feature_server.contract import FeatureSpec, TokenizedRow
 from feature_server.hf_backend import HFBackend
 from feature_server.server import FeatureServer, FeatureWorkerError, SampleLedger, shard_rows
 from feature_server.shm_transport import Received, segment_paths
