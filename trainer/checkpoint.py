@@ -29,7 +29,7 @@ class TrainState:
     feature_seconds: float = 0.0  # worker-side extraction, summed over workers
     feature_wait_seconds: float = 0.0  # trainer idle waiting for features
     last_loss: float = float("nan")
-    # Exactly-once accounting (feature_server/server.py's ledger), summed over epochs; duplicated and lost
+    # Exactly-once accounting (feature_server/ledger.py), summed over epochs; duplicated and lost
     # are the trainer's own count of what reached it, so they must stay 0.
     samples_duplicated: int = 0
     samples_lost: int = 0

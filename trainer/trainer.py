@@ -22,7 +22,8 @@ from core.target import TargetHead, TargetInfo
 from drafters import build_drafter
 from feature_server.config import FeatureServerConfig
 from feature_server.dataset import check_tokenizer_matches, load_rows
-from feature_server.server import FeatureServer, shard_rows
+from feature_server.ledger import shard_rows
+from feature_server.server import FeatureServer
 from trainer.layout import cuda_device_count, plan_node
 from trainer import distributed, parallel
 from trainer.ablation import ablate, ablate_hidden, check_ablation
