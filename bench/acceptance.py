@@ -3,11 +3,11 @@
     python -m bench.acceptance --run RUN_DIR [--run RUN_DIR2 ...] --rows heldout.jsonl --out DIR \
         [--temperature 0] [--draft-mode greedy|sample] [--seed 0] [--max-rows N] [--max-tokens N] [--target DIR]
 
-Each run dir is a finished (or interrupted) training run (trainer.reload.load_run: its last checkpoint). The
+Each run dir is a finished (or interrupted) training run (evaluation.reload.load_run: its last checkpoint). The
 target defaults to the one the run trained against (metrics.json "target", else the resolved config). Writes
 DIR/acceptance.json ({"runs": {label: report}}, report = tau, per_position a_k, conditional a_k/a_{k-1}, counters,
 by_stage) and DIR/acceptance.png (a_k and conditional acceptance by position, one line per drafter), and prints
-`tau[label]: X` lines. The walk and the T > 0 rule are trainer.evaluate's (the same code as metrics.json's
+`tau[label]: X` lines. The walk and the T > 0 rule are evaluation.acceptance's (the same code as metrics.json's
 tau_offline).
 """
 
@@ -22,10 +22,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from core.run_dir import RunDir  # noqa: E402
+
 
 def run_target(run_dir: Path) -> Path:
     """The target a run trained against: metrics.json's "target", else run_info.json's resolved target path."""
-    metrics = run_dir / "metrics.json"
+    metrics = RunDir(run_dir).metrics
     if metrics.is_file():
         return Path(json.loads(metrics.read_text())["target"])
     raise FileNotFoundError(f"{run_dir}: no metrics.json to read the target from; pass --target DIR")
@@ -48,9 +50,9 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
     from feature_server.dataset import load_rows
     from feature_server.config import FeatureServerConfig
     from feature_server.server import FeatureServer
-    from trainer.evaluate import stages_by_row_id
-    from trainer.validation import evaluate_as_served
-    from trainer.reload import load_run
+    from evaluation.acceptance import stages_by_row_id
+    from evaluation.served import evaluate_as_served
+    from evaluation.reload import load_run
 
     target_dir = target_dir or run_target(run_dir)
     drafter, head, info = load_run(run_dir, target_dir)

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from core.contract import FeatureSpec  # noqa: E402
 from feature_server.backends import build_backend  # noqa: E402
-from feature_server.contract import FeatureSpec  # noqa: E402
 from feature_server.dataset import load_rows  # noqa: E402
 from launch.config import DataConfig, TargetConfig  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402

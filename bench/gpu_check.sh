@@ -37,7 +37,7 @@ except RuntimeError as err:
     print("layout error ok:", str(err)[:120])
 from launch.targets import make_target
 from launch.make_fp8 import make_fp8
-from feature_server.contract import FeatureSpec, TokenizedRow
+from core.contract import FeatureSpec, TokenizedRow
 from feature_server.backends import build_backend
 with tempfile.TemporaryDirectory() as tmp:
     src = make_target("tiny-llama", Path(tmp) / "src", fit_steps=0)

@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from core.batch import pack_stream  # noqa: E402
+from core.contract import FeatureSample  # noqa: E402
 from drafters import DRAFTERS  # noqa: E402
 from feature_server.config import FeatureServerConfig  # noqa: E402
-from feature_server.contract import FeatureSample  # noqa: E402
 from launch.config import DataConfig, TargetConfig  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402
-from trainer.batch import pack_stream  # noqa: E402
 from trainer.checkpoint import TrainState  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402

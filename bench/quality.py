@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoTokenizer  # noqa: E402
 
 from bench.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
+from core.run_dir import RunDir  # noqa: E402
 from feature_server.dataset import load_rows  # noqa: E402
 from launch.config import DataConfig, TargetConfig  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402
@@ -52,7 +53,7 @@ def data_overrides(quick: bool) -> list[str]:
 
 def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str]) -> dict:
     """One `python -m launch.train` run (resumed if run_dir already has checkpoints); its metrics.json."""
-    metrics = run_dir / "metrics.json"
+    metrics = RunDir(run_dir).metrics
     if metrics.is_file():
         return json.loads(metrics.read_text())
     cmd = [sys.executable, "-m", "launch.train", f"drafter={drafter}", "target=small-real", *data_overrides(quick),

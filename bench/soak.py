@@ -35,6 +35,9 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from core.run_dir import RunDir  # noqa: E402
 
 
 def shmem_mb() -> float:
@@ -122,7 +125,7 @@ def main() -> None:
                 worker_rss += rss
                 seen = peaks.setdefault(w.pid, [now, 0.0])
                 seen[1] = max(seen[1], peak)
-            log = run_dir / "train_log.jsonl"
+            log = RunDir(run_dir).train_log
             steps = log.read_text().count('"loss"') * 50 if log.is_file() else 0  # training records
             rows.append((now, trainer.memory_info().rss / 2**20, len(workers), worker_rss,
                          run_shm_mb([trainer, *workers], marker), shmem_mb(), steps))

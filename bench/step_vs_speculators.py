@@ -35,11 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.speculators_reference import all_anchors, load_reference  # noqa: E402
+from core.batch import PackedBatch  # noqa: E402
+from core.contract import TokenizedRow  # noqa: E402
+from core.target import TargetHead, TargetInfo  # noqa: E402
 from drafters.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
 from drafters.eagle3 import Eagle3Config, Eagle3Drafter, speculators_loss_mask  # noqa: E402
-from feature_server.contract import TokenizedRow  # noqa: E402
-from trainer.batch import PackedBatch  # noqa: E402
-from trainer.target import TargetHead, TargetInfo  # noqa: E402
 
 TARGET = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
@@ -90,16 +91,6 @@ def make_step(forward_loss, model):
         return time.perf_counter() - t0, float(loss.detach())
 
     return step
-
-
-def load_reference(cls, cfg_cls, export_dir: Path, head: TargetHead):
-    ref_config = cfg_cls.from_pretrained(str(export_dir))
-    ref_config.transformer_layer_config._attn_implementation = "eager"  # dense float mask; no flex on CPU
-    ref = cls.from_pretrained(str(export_dir), config=ref_config).float().train()
-    ref.load_verifier_weights()
-    # speculators 0.9.0 + transformers 5.19 can leave embed_tokens as uninitialised memory (see the parity tests).
-    ref.embed_tokens.weight.data.copy_(head.embed_tokens.weight)
-    return ref
 
 
 class AllChainsEagle3(Eagle3Drafter):
@@ -155,7 +146,7 @@ def eagle3_sides(info, head, batch, tmp: Path, ttt_steps: int):
     def theirs_factory():
         export = tmp / "eagle3"
         drafter.export(export, info)
-        ref = load_reference(Eagle3DraftModel, Eagle3SpeculatorConfig, export, head)
+        ref = load_reference(Eagle3DraftModel, Eagle3SpeculatorConfig, export, head).train()
         return make_step(lambda: reference_loss(ref, batch, "speculators"), ref), ref
 
     def loss_check(ref):
@@ -170,7 +161,6 @@ def eagle3_sides(info, head, batch, tmp: Path, ttt_steps: int):
 def dflash_sides(info, head, batch, tmp: Path, num_layers: int, max_anchors: int):
     from speculators.losses import resolve_loss_config
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
-    from speculators.models.dflash.utils import select_anchors
 
     def build(attention_impl="auto"):
         torch.manual_seed(0)
@@ -195,14 +185,12 @@ def dflash_sides(info, head, batch, tmp: Path, num_layers: int, max_anchors: int
     def theirs_factory():
         export = tmp / "dflash"
         drafter.export(export, info)
-        ref = load_reference(DFlashDraftModel, DFlashSpeculatorConfig, export, head)
+        ref = load_reference(DFlashDraftModel, DFlashSpeculatorConfig, export, head).train()
         return make_step(lambda: reference_loss(ref, max_anchors), ref), ref
 
     def loss_check(ref):
         # Every valid anchor on both sides, so the selection is deterministic and the blocks are the same.
-        B = drafter.block_size
-        n_valid = int(batch.loss_mask_T[:-B].sum())
-        anchors, _ = select_anchors(batch.loss_mask_T[None].long(), n_valid, B)
+        anchors, n_valid = all_anchors(batch, drafter.block_size)
         with torch.no_grad():
             return float(drafter.block_loss(batch, head, anchors).loss), float(reference_loss(ref, n_valid))
 

@@ -6,7 +6,7 @@
 1. the target alone, greedy, max_tokens + K: its continuations (an engine verifies a draft past max_tokens and
    then truncates, so the walk needs the K tokens beyond);
 2. the target with the export (method passed explicitly), max_tokens: vLLM's counters;
-3. the offline walk (trainer.evaluate, the code behind metrics.json's tau_offline) over prompt + continuation,
+3. the offline walk (evaluation.acceptance, the code behind metrics.json's tau_offline) over prompt + continuation,
    max_generated = max_tokens, so it follows vLLM's decode path step for step.
 Prints `name: value` lines, last `gap_pct` = 100 (tau_vllm_per_step - tau_offline) / tau_offline. tau_vllm_per_step
 is vLLM's tau corrected for steps without a draft (bench.vllm_serve.ServeResult.tau_per_step).
@@ -30,18 +30,19 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from bench.prompts import read_prompts  # noqa: E402
 from bench.vllm_serve import ServeResult, serve  # noqa: E402
+from core.run_dir import RunDir  # noqa: E402
 
 
 def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], continuations: list[list[int]],
                              max_generated: int | None, stages: list[str] | None = None):
-    """trainer.evaluate's report over rows prompt + continuation (loss on the continuation)."""
+    """evaluation.acceptance's report over rows prompt + continuation (loss on the continuation)."""
     import torch
 
-    from feature_server.contract import TokenizedRow
+    from core.contract import TokenizedRow
     from feature_server.config import FeatureServerConfig
     from feature_server.server import FeatureServer
-    from trainer.validation import evaluate_as_served
-    from trainer.reload import load_run
+    from evaluation.served import evaluate_as_served
+    from evaluation.reload import load_run
 
     drafter, head, _ = load_run(run_dir, target_dir)
     rows = [TokenizedRow(i, tuple(p + c), tuple([0] * len(p) + [1] * len(c)))
@@ -56,9 +57,10 @@ def served_vs_offline(run_dir, target_dir, method: str, prompts: list[list[int]]
                       stages: list[str] | None = None, **engine_kwargs: Any) -> dict:
     """base (max_tokens + K), speculative (max_tokens) and the offline report; K from the run's drafter."""
     run_dir = Path(run_dir)
-    K = json.loads((run_dir / "metrics.json").read_text())["num_speculative_tokens"]
+    run = RunDir(run_dir)
+    K = json.loads(run.metrics.read_text())["num_speculative_tokens"]
     base = serve(str(target_dir), prompts, max_tokens + K, ignore_eos=True, **engine_kwargs)
-    spec = serve(str(target_dir), prompts, max_tokens, str(run_dir / "export"), method=method,
+    spec = serve(str(target_dir), prompts, max_tokens, str(run.export), method=method,
                  num_speculative_tokens=K, ignore_eos=True, **engine_kwargs)
     offline = offline_on_continuations(run_dir, target_dir, prompts, base.output_token_ids, max_tokens, stages)
     return dict(base=base, spec=spec, offline=offline, K=K, prompts=prompts, max_tokens=max_tokens)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                          "one KV-cache group for all drafting layers)")
     args = ap.parse_args(argv)
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    target = args.target or Path(json.loads((args.run / "metrics.json").read_text())["target"])
+    target = args.target or Path(json.loads(RunDir(args.run).metrics.read_text())["target"])
     prompts, stages = read_prompts(args.rows, None, args.prompts)
     result = served_vs_offline(args.run, target, args.method, prompts, args.max_tokens, stages, **extra)
     print("\n".join(report_lines(result)), flush=True)

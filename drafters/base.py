@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from feature_server.contract import FeatureSpec, TokenizedRow
-from trainer.batch import PackedBatch
-from trainer.target import TargetHead, TargetInfo
+from core.batch import PackedBatch
+from core.contract import FeatureSpec, TokenizedRow
+from core.target import TargetHead, TargetInfo
 
 
 @dataclass
@@ -70,8 +70,28 @@ class Drafter(nn.Module, ABC):
         """Greedy drafts [N, K] for anchors (positions of the last verified token), as served."""
 
     @abstractmethod
+    def draft_logits(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
+        """Draft logits [N, K, V] over the target vocabulary (-inf outside a reduced draft vocabulary): the draft
+        distribution q that sampled drafting at T > 0 draws from (evaluation/acceptance.py). Slot k's
+        serving-time logits with the earlier slots fed the row's tokens (teacher-forced), so argmax ==
+        propose() wherever the earlier drafts equal the row."""
+
+    @abstractmethod
     def export(self, out_dir: Path, target: TargetInfo) -> None:
         """Write a directory the serving engine loads (speculators format or a target copy)."""
+
+
+def block_metrics(loss: torch.Tensor, correct_NK: torch.Tensor, valid_NK: torch.Tensor) -> StepOutput:
+    """Per-position accuracy and the accepted-prefix length of each block whose first slot is scored."""
+    scored = valid_NK[:, 0]
+    accepted = torch.cumprod((correct_NK & valid_NK).long(), dim=1).sum(1)
+    return StepOutput(
+        loss=loss,
+        correct_K=(correct_NK & valid_NK).sum(0),
+        total_K=valid_NK.sum(0),
+        accepted_prefix_sum=accepted[scored].sum(),
+        blocks=scored.sum(),
+    )
 
 
 def _token_id(tokenizer, token: str | None) -> int | None:

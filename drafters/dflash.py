@@ -20,15 +20,17 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from drafters.base import Drafter, StepOutput, choose_mask_token, export_dtype, sample_anchors, speculators_block
-from drafters.layers import QKVProjections, Rotary, SwiGLU, apply_rotary
+from core.batch import PackedBatch
+from core.contract import FeatureSpec
+from core.target import RMSNorm, TargetHead, TargetInfo
+from drafters.base import (Drafter, StepOutput, block_metrics, choose_mask_token, export_dtype, sample_anchors,
+                           speculators_block)
+from drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
+                             speculators_layer_config)
 from drafters import vllm_groups
 from drafters.target_init import init_layers_from_target
-from feature_server.contract import FeatureSpec
 from kernels.attention import anchor_block_plan
 from kernels.logits import chunked_argmax, chunked_loss
-from trainer.batch import PackedBatch
-from trainer.target import RMSNorm, TargetHead, TargetInfo
 
 log = logging.getLogger(__name__)
 
@@ -111,27 +113,6 @@ class DFlashAttention(QKVProjections):
         return self.o_proj(out.reshape(x_QD.shape[0], -1))
 
 
-@dataclass(frozen=True)
-class LayerShape:
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
-
-    @classmethod
-    def of(cls, cfg: DFlashConfig, target: TargetInfo) -> "LayerShape":
-        return cls(
-            hidden=target.hidden_size,
-            num_heads=cfg.num_attention_heads or target.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads or target.num_key_value_heads,
-            head_dim=cfg.head_dim or target.head_dim,
-            intermediate=cfg.intermediate_size or target.intermediate_size or 3 * target.hidden_size,
-            eps=cfg.rms_norm_eps,
-        )
-
-
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, shape: LayerShape):
         super().__init__()
@@ -167,7 +148,7 @@ class DFlashDrafter(Drafter):
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(num_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary = Rotary(self.shape.head_dim, self.rope_theta)
-        self.apply(_init_linear)
+        self.apply(init_linear)
         if cfg.init_from_target:
             init_layers_from_target(self.layers, target)
 
@@ -256,6 +237,9 @@ class DFlashDrafter(Drafter):
         hidden_NKD = self.block_hidden(batch, head, anchors_N)[:, 1:]
         return chunked_argmax(hidden_NKD.flatten(0, 1), head.lm_head.weight).view(hidden_NKD.shape[:2])
 
+    def draft_logits(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
+        return head.lm_head(self.block_hidden(batch, head, anchors_N)[:, 1:])
+
     # --- export ------------------------------------------------------------------------------------
     def speculators_config(self, target: TargetInfo) -> dict:
         cfg, n = self.cfg, len(self.layers)
@@ -266,24 +250,9 @@ class DFlashDrafter(Drafter):
             "speculators_model_type": self.speculators_model_type,
             "speculators_version": "0.9.0",
             "transformer_layer_config": {
-                "model_type": "qwen3",
-                "vocab_size": target.vocab_size,
-                "hidden_size": target.hidden_size,
-                "intermediate_size": self.shape.intermediate,
-                "num_hidden_layers": n,
-                "num_attention_heads": self.shape.num_heads,
-                "num_key_value_heads": self.shape.num_kv_heads,
-                "head_dim": self.shape.head_dim,
-                "hidden_act": "silu",
-                "rms_norm_eps": cfg.rms_norm_eps,
-                "attention_bias": False,
-                "max_position_embeddings": target.max_position_embeddings,
-                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-                "use_sliding_window": sliding,
+                **speculators_layer_config(self.shape, target, n, self.rope_theta, layer_type),
                 "sliding_window": cfg.sliding_window if sliding else None,
                 "max_window_layers": 0,
-                "layer_types": [layer_type] * n,
-                "tie_word_embeddings": False,
             },
             "draft_vocab_size": target.vocab_size,
             "target_hidden_size": target.hidden_size,
@@ -347,21 +316,3 @@ def served_layers(cfg: DFlashConfig, target: TargetInfo, shape: LayerShape) -> t
 def _layer_summary(target: TargetInfo) -> str:
     counts = {t: target.layer_types.count(t) for t in dict.fromkeys(target.layer_types)}
     return ", ".join(f"{n} {t}" for t, n in counts.items())
-
-
-def block_metrics(loss: torch.Tensor, correct_NK: torch.Tensor, valid_NK: torch.Tensor) -> StepOutput:
-    """Per-position accuracy and the accepted-prefix length of each block whose first slot is scored."""
-    scored = valid_NK[:, 0]
-    accepted = torch.cumprod((correct_NK & valid_NK).long(), dim=1).sum(1)
-    return StepOutput(
-        loss=loss,
-        correct_K=(correct_NK & valid_NK).sum(0),
-        total_K=valid_NK.sum(0),
-        accepted_prefix_sum=accepted[scored].sum(),
-        blocks=scored.sum(),
-    )
-
-
-def _init_linear(module: nn.Module) -> None:
-    if isinstance(module, nn.Linear):
-        nn.init.normal_(module.weight, std=0.02)

@@ -25,11 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.dflash import (DFlashConfig, DFlashDecoderLayer, DFlashDrafter, LayerShape, _init_linear,
-                             block_metrics, position_weights)
+from core.batch import PackedBatch
+from core.target import TargetHead, TargetInfo
+from drafters.base import block_metrics
+from drafters.dflash import DFlashConfig, DFlashDecoderLayer, DFlashDrafter, position_weights
+from drafters.layers import LayerShape, init_linear
 from kernels.logits import DEFAULT_CHUNK, chunked_argmax, chunked_loss
-from trainer.batch import PackedBatch
-from trainer.target import TargetHead, TargetInfo
 
 
 @dataclass
@@ -164,7 +165,7 @@ class DFlash2Drafter(DFlashDrafter):
             layer.reset_convolutions()
         self.candidate_selector = CandidateSelector(target.vocab_size, target.hidden_size, cfg.selector_rank,
                                                     cfg.selector_top_k)
-        self.candidate_selector.apply(_init_linear)
+        self.candidate_selector.apply(init_linear)
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         cfg = self.cfg
@@ -222,6 +223,18 @@ class DFlash2Drafter(DFlashDrafter):
             prev_N = candidates_NKC[:, k].gather(1, scores_NC.argmax(-1, keepdim=True))[:, 0]
             drafts.append(prev_N)
         return torch.stack(drafts, 1) if drafts else anchors_N.new_zeros(N, 0)
+
+    def draft_logits(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
+        """The selector's distribution over each slot's top-k candidates: unary logit + edge score from the
+        previous token (the row's); -inf outside the candidates."""
+        hidden_NKD = self.block_hidden(batch, head, anchors_N)[:, 1:]
+        N, K, _ = hidden_NKD.shape
+        values_MC, cand_MC = chunked_topk(hidden_NKD.flatten(0, 1), head.lm_head.weight, self.cfg.selector_top_k)
+        prev_NK = batch.input_ids_T[anchors_N[:, None] + torch.arange(K, device=anchors_N.device)]
+        scores_MC = values_MC + self.candidate_selector.transition_scores(
+            hidden_NKD.flatten(0, 1), prev_NK.flatten(), cand_MC).float()
+        out_MV = scores_MC.new_full((N * K, head.lm_head.weight.shape[0]), float("-inf"))
+        return out_MV.scatter_(1, cand_MC, scores_MC).view(N, K, -1)
 
     # --- export -----------------------------------------------------------------------------------
     def speculators_config(self, target: TargetInfo) -> dict:

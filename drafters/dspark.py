@@ -28,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.dflash import (DFlashConfig, DFlashDrafter, _init_linear, block_metrics, exp_decay_weights,
-                             position_weights)
+from core.batch import PackedBatch
+from core.target import TargetHead, TargetInfo
+from drafters.base import block_metrics
+from drafters.dflash import DFlashConfig, DFlashDrafter, exp_decay_weights, position_weights
+from drafters.layers import init_linear
 from kernels.logits import chunked_argmax, chunked_loss
-from trainer.batch import PackedBatch
-from trainer.target import TargetHead, TargetInfo
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -117,7 +118,7 @@ class DSparkDrafter(DFlashDrafter):
             self.confidence_head = ConfidenceHead(D + (r if cfg.confidence_head_with_markov else 0))
         for module in (self.markov_head, self.confidence_head):
             if module is not None:
-                module.apply(_init_linear)
+                module.apply(init_linear)
         if self.markov_head is not None:
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.01)  # speculators' init
 
@@ -211,6 +212,9 @@ class DSparkDrafter(DFlashDrafter):
                 prev_N = chunked_argmax(torch.cat([hidden_NBD[:, k], feat.to(hidden_NBD.dtype)], -1), W)
                 drafts.append(prev_N)
         return torch.stack(drafts, 1)
+
+    def draft_logits(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
+        return self.block_logits(batch, head, anchors_N)[0][:, self.first_slot:]
 
     # --- export -----------------------------------------------------------------------------------
     def speculators_config(self, target: TargetInfo) -> dict:

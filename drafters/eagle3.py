@@ -38,13 +38,14 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from core.batch import PackedBatch
+from core.contract import FeatureSpec, TokenizedRow
+from core.target import RMSNorm, TargetHead, TargetInfo
 from drafters.base import Drafter, StepOutput, export_dtype, speculators_block
-from drafters.layers import QKVProjections, Rotary, SwiGLU, apply_rotary
-from feature_server.contract import FeatureSpec, TokenizedRow
+from drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
+                             speculators_layer_config)
 from kernels.attention import packed_causal_plan
 from kernels.logits import chunked_argmax, chunked_loss
-from trainer.batch import PackedBatch
-from trainer.target import RMSNorm, TargetHead, TargetInfo
 
 
 @dataclass
@@ -94,16 +95,6 @@ def build_draft_vocab(rows: Sequence[TokenizedRow], size: int) -> torch.Tensor:
         if t not in taken:
             chosen.append(t)
     return torch.tensor(sorted(chosen), dtype=torch.long)
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    eps: float
 
 
 class Eagle3Layer(nn.Module):
@@ -190,14 +181,7 @@ class Eagle3Drafter(Drafter):
         FeatureSpec(tuple(self.target_layer_ids)).check_against(target.num_hidden_layers)
         D, V = target.hidden_size, target.vocab_size
         self.draft_vocab_size = min(cfg.draft_vocab_size, V)
-        self.shape = LayerShape(
-            hidden=D,
-            num_heads=cfg.num_attention_heads or target.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads or target.num_key_value_heads,
-            head_dim=cfg.head_dim or target.head_dim,
-            intermediate=cfg.intermediate_size or target.intermediate_size or 3 * D,
-            eps=cfg.rms_norm_eps,
-        )
+        self.shape = LayerShape.of(cfg, target)
         self.rope_theta = cfg.rope_theta or target.rope_theta
         self.fc = nn.Linear(len(self.target_layer_ids) * D, D, bias=False)
         self.layers = nn.ModuleList(Eagle3Layer(self.shape, i == 0, cfg.norm_before_residual)
@@ -205,7 +189,7 @@ class Eagle3Drafter(Drafter):
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(D, self.draft_vocab_size, bias=False)
         self.rotary = Rotary(self.shape.head_dim, self.rope_theta)
-        self.apply(_init_linear)
+        self.apply(init_linear)
         self.lm_head.weight.requires_grad_(cfg.train_lm_head)
         # Identity mapping until prepare(); fixed shapes, so a checkpoint loads before or after prepare().
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
@@ -355,6 +339,18 @@ class Eagle3Drafter(Drafter):
         out = torch.stack(drafts, dim=1)
         return torch.empty_like(out).index_copy_(0, order, out)
 
+    def draft_logits(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
+        pairs = self.pairs(batch)
+        chain_N = pairs.index_T[anchors_N]
+        order = torch.argsort(chain_N)
+        anchor_sorted_N = anchors_N[order]
+        teacher = lambda s, _: batch.input_ids_T[anchor_sorted_N + s]  # noqa: E731
+        normed = self.unroll(batch, head, pairs, chain_N[order], self.num_speculative_tokens, teacher)
+        draft_NKV = torch.stack([self.lm_head(x) for x in normed], 1)
+        out = draft_NKV.new_full((*draft_NKV.shape[:2], head.lm_head.weight.shape[0]), float("-inf"))
+        out[:, :, self.draft_ids] = draft_NKV  # draft id i is target id draft_ids[i] (d2t offsets)
+        return torch.empty_like(out).index_copy_(0, order, out)
+
     # --- export ------------------------------------------------------------------------------------
     @property
     def uses_draft_vocab(self) -> bool:
@@ -366,24 +362,7 @@ class Eagle3Drafter(Drafter):
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": self.speculators_model_type,
             "speculators_version": "0.9.0",
-            "transformer_layer_config": {
-                "model_type": "qwen3",  # vLLM: Eagle3Qwen3ForCausalLM; speculators: its qwen3 first layer
-                "vocab_size": target.vocab_size,
-                "hidden_size": target.hidden_size,
-                "intermediate_size": self.shape.intermediate,
-                "num_hidden_layers": n,
-                "num_attention_heads": self.shape.num_heads,
-                "num_key_value_heads": self.shape.num_kv_heads,
-                "head_dim": self.shape.head_dim,
-                "hidden_act": "silu",
-                "rms_norm_eps": cfg.rms_norm_eps,
-                "attention_bias": False,
-                "max_position_embeddings": target.max_position_embeddings,
-                "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-                "use_sliding_window": False,
-                "layer_types": ["full_attention"] * n,
-                "tie_word_embeddings": False,
-            },
+            "transformer_layer_config": speculators_layer_config(self.shape, target, n, self.rope_theta),
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": target.hidden_size,
             # Same convention as vLLM's aux layers (id k = after k decoder layers), ascending: no offset.
@@ -427,8 +406,3 @@ def chain_metrics(loss, correct_NS, valid_NS, K: int) -> StepOutput:
     accepted = torch.cumprod(correct_NK.long(), dim=1).sum(1)
     return StepOutput(loss=loss, correct_K=correct_NK.sum(0), total_K=valid_NK.sum(0),
                       accepted_prefix_sum=accepted[scored].sum(), blocks=scored.sum())
-
-
-def _init_linear(module: nn.Module) -> None:
-    if isinstance(module, nn.Linear):
-        nn.init.normal_(module.weight, std=0.02)

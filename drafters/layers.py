@@ -1,14 +1,73 @@
-"""Building blocks shared by the drafter heads: RoPE, SwiGLU MLP, the Qwen3-style attention projections.
+"""Building blocks shared by the drafter heads: RoPE, SwiGLU MLP, the Qwen3-style attention projections, the
+layer geometry, its speculators config entry and the weight init.
 
 Weight names match speculators 0.9.0 / vLLM (q_proj, k_norm, gate_proj, ...) so a state dict exports as is.
 Suffixes: Q queries, K keys, H heads, d head dim, D hidden, P positions.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.target import RMSNorm
+from core.target import RMSNorm, TargetInfo
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A Qwen3-style decoder layer's geometry."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+    @classmethod
+    def of(cls, cfg, target: TargetInfo) -> "LayerShape":
+        """From a drafter config's num_attention_heads, num_key_value_heads, head_dim, intermediate_size (None:
+        the target's; a pure-MoE target has no dense width, then 3 x hidden) and rms_norm_eps."""
+        return cls(
+            hidden=target.hidden_size,
+            num_heads=cfg.num_attention_heads or target.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads or target.num_key_value_heads,
+            head_dim=cfg.head_dim or target.head_dim,
+            intermediate=cfg.intermediate_size or target.intermediate_size or 3 * target.hidden_size,
+            eps=cfg.rms_norm_eps,
+        )
+
+
+def speculators_layer_config(shape: LayerShape, target: TargetInfo, num_layers: int, rope_theta: float,
+                             layer_type: str = "full_attention") -> dict:
+    """The `transformer_layer_config` of a speculators config.json: num_layers Qwen3 decoder layers of `shape`,
+    all of `layer_type` (full_attention, or sliding_attention with the window added by the caller). vLLM builds
+    them as its Qwen3 layers (Eagle3Qwen3ForCausalLM for EAGLE-3); speculators as its qwen3 layers."""
+    return {
+        "model_type": "qwen3",
+        "vocab_size": target.vocab_size,
+        "hidden_size": target.hidden_size,
+        "intermediate_size": shape.intermediate,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": shape.eps,
+        "attention_bias": False,
+        "max_position_embeddings": target.max_position_embeddings,
+        "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"},
+        "use_sliding_window": layer_type == "sliding_attention",
+        "layer_types": [layer_type] * num_layers,
+        "tie_word_embeddings": False,
+    }
+
+
+def init_linear(module: nn.Module) -> None:
+    """Fresh Linear weights ~ N(0, 0.02), biases left as built (`module.apply(init_linear)`)."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
 
 
 class Rotary(nn.Module):

@@ -22,28 +22,21 @@ Suffixes: T packed tokens, N anchors (chains), K steps, D hidden, H heads, d hea
 """
 
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from drafters.base import Drafter, StepOutput, sample_anchors
-from drafters.dflash import block_metrics
+from core.batch import PackedBatch
+from core.contract import FeatureSpec
+from core.target import RMSNorm, TargetHead, TargetInfo
+from drafters.base import Drafter, StepOutput, block_metrics, sample_anchors
 from drafters.layers import Rotary, apply_rotary
-from feature_server.contract import FeatureSpec
+from drafters.mtp_checkpoint import read_mtp_state, write_back_mtp
 from kernels.attention import anchor_block_plan
 from kernels.logits import chunked_argmax, chunked_loss
-from kernels.moe import SparseMoeBlock, fuse_expert_weights
-from trainer.batch import PackedBatch
-from trainer.target import RMSNorm, TargetHead, TargetInfo
-
-PREFIX = "mtp."
-WEIGHTS_INDEX = "model.safetensors.index.json"
+from kernels.moe import SparseMoeBlock
 
 
 @dataclass
@@ -270,96 +263,11 @@ class MTPDrafter(Drafter):
             raise ValueError("MTP anchors need a predecessor in their document (position_ids > 0)")
         return self.unroll(batch, head, anchors_N, teacher_tokens=False)[1]
 
+    def draft_logits(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
+        return head.lm_head(self.unroll(batch, head, anchors_N, teacher_tokens=True)[0])
+
     # --- export ------------------------------------------------------------------------------------
     def export(self, out_dir: Path, target: TargetInfo) -> None:
         """A copy of the target checkpoint (hardlinks where possible) with the tuned mtp.* tensors written back
         into the safetensors file(s) holding them; vLLM serves it with method="mtp"."""
         write_back_mtp(target.path, Path(out_dir), self.state_dict())
-
-
-# ------------------------------------------------------------------------------ checkpoint I/O
-
-
-def mtp_files(path: Path) -> dict[str, list[str]]:
-    """{safetensors file name: [mtp.* tensor names in it]}, from the index when sharded."""
-    index = path / WEIGHTS_INDEX
-    if index.is_file():
-        out: dict[str, list[str]] = {}
-        for name, file in json.loads(index.read_text())["weight_map"].items():
-            if name.startswith(PREFIX):
-                out.setdefault(file, []).append(name)
-        return out
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        names = [k for k in f.keys() if k.startswith(PREFIX)]
-    return {"model.safetensors": names} if names else {}
-
-
-def read_mtp_state(path: Path, want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's mtp.* tensors (prefix stripped, experts fused, fp32) for the keys of `want`."""
-    raw = {}
-    for file, names in mtp_files(path).items():
-        with safe_open(str(path / file), framework="pt") as f:
-            raw.update({n[len(PREFIX):]: f.get_tensor(n).float() for n in names})
-    state = fuse_expert_weights({k: v for k, v in raw.items() if not k.startswith("layers.") or
-                                 k.startswith("layers.0.")})
-    missing = sorted(set(want) - set(state))
-    if missing:
-        raise KeyError(f"{path}: the checkpoint lacks mtp tensors {['mtp.' + m for m in missing[:8]]} "
-                       f"({len(missing)} missing); drafter=mtp needs the target's own MTP head")
-    bad = [k for k in want if tuple(state[k].shape) != tuple(want[k].shape)]
-    if bad:
-        raise ValueError(f"{path}: mtp tensor shapes differ from config.json for {bad[:8]}")
-    return {k: state[k] for k in want}
-
-
-def unfuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of kernels.moe.fuse_expert_weights: experts.gate_up_proj [E, 2I, D] -> experts.e.gate/up_proj."""
-    out = {}
-    for key, value in state.items():
-        if key.endswith("experts.gate_up_proj"):
-            base = key[: -len("gate_up_proj")]
-            for e, (gate, up) in enumerate(zip(*value.chunk(2, dim=1))):
-                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
-        elif key.endswith("experts.down_proj"):
-            base = key[: -len("down_proj")]
-            out.update({f"{base}{e}.down_proj.weight": w for e, w in enumerate(value)})
-        else:
-            out[key] = value
-    return out
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    if dst.exists() or dst.is_symlink():
-        dst.unlink()
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem, or links not allowed
-        shutil.copy2(src, dst)
-
-
-def write_back_mtp(src: Path, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
-    """Copy checkpoint `src` to `out_dir`, rewriting only the safetensors that hold mtp.* tensors."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = mtp_files(src)
-    tuned = {PREFIX + k: v.detach().cpu() for k, v in state.items()}
-    on_disk = {n for names in files.values() for n in names}
-    fused = set(tuned) - on_disk
-    if fused:  # the checkpoint keeps one tensor per expert
-        tuned = {PREFIX + k: v.detach().cpu() for k, v in unfuse_expert_weights(state).items()}
-    unknown = sorted(set(tuned) - on_disk)
-    if unknown:
-        raise KeyError(f"{src}: exported tensors {unknown[:8]} have no counterpart in the checkpoint")
-    for entry in src.iterdir():
-        if entry.is_file() and entry.name not in files:
-            _link_or_copy(entry, out_dir / entry.name)
-    for file, names in files.items():
-        with safe_open(str(src / file), framework="pt") as f:
-            metadata = f.metadata()
-            tensors = {n: f.get_tensor(n) for n in f.keys()}
-        for name in names:
-            if name in tuned:
-                tensors[name] = tuned[name].to(tensors[name].dtype).reshape(tensors[name].shape).contiguous()
-        dst = out_dir / file
-        if dst.exists():
-            dst.unlink()  # never write through a hardlink into the target's own file
-        save_file(tensors, str(dst), metadata=metadata)

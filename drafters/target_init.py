@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from trainer.target import TargetInfo, read_tensor
+from core.target import TargetInfo, read_tensor
 
 log = logging.getLogger(__name__)
 

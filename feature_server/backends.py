@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from feature_server.contract import FeatureSpec, TokenizedRow
+from core.contract import FeatureSpec, TokenizedRow
 
 # Listed explicitly; the key is what users type (feature_server.backend=hf).
 BACKENDS: dict[str, str] = {
@@ -20,7 +20,7 @@ BACKENDS: dict[str, str] = {
 
 class FeatureBackend(ABC):
     """Built once per worker process. `extract` returns, per row, hidden_TLD = [T, len(spec.layer_ids), D]
-    in spec.hidden_dtype on CPU, layers in spec.layer_ids order (vLLM layer-id convention, see contract.py)."""
+    in spec.hidden_dtype on CPU, layers in spec.layer_ids order (vLLM layer-id convention, see core/contract.py)."""
 
     def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | None = None):
         self.target_dir = target_dir

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from core.contract import DEFAULT_HIDDEN_DTYPE
+
 
 @dataclass
 class FeatureServerConfig:
@@ -9,7 +11,7 @@ class FeatureServerConfig:
     workers: int = 6  # feature workers per node, split evenly over its trainer ranks (trainer/layout.py)
     threads_per_worker: int = 1
     capacity_mb: int = 256  # shared-memory bytes in flight before workers block
-    hidden_dtype: str = "bfloat16"
+    hidden_dtype: str = DEFAULT_HIDDEN_DTYPE  # what crosses to the trainer (core/contract.py)
     device: str = "cpu"  # auto | cpu | cuda: where the target runs (trainer/layout.py assigns GPU indices)
     dtype: str | None = None  # target compute dtype; None = the checkpoint's
     # A worker that owes rows and sends nothing this long while the trainer waits is hung (a stuck GPU, a

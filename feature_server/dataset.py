@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from feature_server.contract import TokenizedRow
+from core.contract import TokenizedRow
 
 END_OF_TURN = "<|im_end|>"
 SKIP_EXAMPLES = 5  # row ids kept per skip reason

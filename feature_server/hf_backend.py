@@ -3,7 +3,7 @@
 One row per forward and no padding: left/right padding corrupts the recurrent state of gated-DeltaNet
 (linear-attention) layers in hybrid targets, and rows vary in length anyway. No KV cache, inference_mode.
 
-Layer ids follow vLLM (contract.py): id k < L is captured as the *input* of decoder layer k (the residual stream
+Layer ids follow vLLM (core/contract.py): id k < L is captured as the *input* of decoder layer k (the residual stream
 after k layers; k = 0 is the embedding output) and id L as the input of the final norm. transformers' last
 `hidden_states` entry is post-norm, so it is never used. When the largest id is < L the forward stops there.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from core.contract import DTYPES, FeatureSpec, TokenizedRow
 from feature_server.backends import FeatureBackend, check_row
-from feature_server.contract import DTYPES, FeatureSpec, TokenizedRow
 
 # Architectures whose decoder (model.model.layers + model.model.norm, plain residual stream from
 # embed_tokens) matches the layer-id semantics above. qwen3_5_moe checkpoints are text+vision composites;

@@ -1,153 +1,42 @@
 """FeatureServer: target workers extract hidden states for this rank's rows; the trainer iterates samples.
 
-Per trainer rank, `workers` spawned processes each build a backend (backends.py) and prefill the rows they are
-handed, publishing FeatureSamples through a ShmChannel (tensors in /dev/shm, metadata on the control queue).
-Row i of `rows` belongs to rank i % num_ranks (before skipping), so torchrun ranks see disjoint data and a
-resumed run keeps the same assignment. Within a rank, rows are handed out dynamically, a few at a time per
-worker, so a slow worker does not hold the others back.
+The supervisor of the worker processes. Per trainer rank, `workers` spawned processes (worker.py) each build a
+backend (backends.py) and prefill the rows they are handed, publishing FeatureSamples through a ShmChannel
+(tensors in /dev/shm, metadata on the control queue). Row i of `rows` belongs to rank i % num_ranks (before
+skipping; ledger.py shard_rows), so torchrun ranks see disjoint data and a resumed run keeps the same assignment.
+Within a rank, rows are handed out dynamically, a few at a time per worker, so a slow worker does not hold the
+others back.
 
-Exactly once: the SampleLedger knows every row as pending, in flight (handed to one worker) or done. A worker
-that dies (kill -9, OOM) has its in-flight rows put back at the front of the queue for the others, and a
-replacement is started while `max_worker_restarts` allows; a late copy of a row that is already done is
-dropped and counted, never yielded twice. The trainer side checks every sample that crosses the boundary
-(shape, dtype, tokens, membership), and re-raises a worker's exception with its worker id and row id (a row
-that makes the backend raise is a data error, not a fault to retry).
+Exactly once: the SampleLedger (ledger.py) knows every row as pending, in flight (handed to one worker) or done.
+A worker that dies (kill -9, OOM) has its in-flight rows put back at the front of the queue for the others, and a
+replacement is started while `max_worker_restarts` allows; a late copy of a row that is already done is dropped
+and counted, never yielded twice. The trainer side checks every sample that crosses the boundary (shape, dtype,
+tokens, membership), and re-raises a worker's exception with its worker id and row id (a row that makes the
+backend raise is a data error, not a fault to retry).
 """
 
 import atexit
-import ctypes
-import faulthandler
 import logging
 import os
 import queue
 import signal
-import sys
 import time
-import traceback
 import weakref
-from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import multiprocessing as mp
-import torch
 
-from feature_server.backends import BACKENDS, build_backend
+from core.contract import FeatureSample, FeatureSpec, TokenizedRow
+from feature_server.backends import BACKENDS
 from feature_server.config import FeatureServerConfig
-from feature_server.contract import FeatureSample, FeatureSpec, TokenizedRow
-from feature_server.shm_transport import MAX_PRODUCERS, Received, ShmChannel, ShmProducer, sweep_segments
+from feature_server.ledger import FeatureWorkerError, SampleLedger, shard_rows
+from feature_server.shm_transport import MAX_PRODUCERS, Received, ShmChannel
+from feature_server.worker import WorkerArgs, worker_main
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often the trainer re-checks worker liveness while waiting for a sample
 _JOIN_S = 30.0  # grace for finished workers to exit before they are terminated
-
-
-class FeatureWorkerError(RuntimeError):
-    """A feature worker failed (exception, or died without a word and could not be replaced)."""
-
-
-def shard_rows(rows: Sequence[TokenizedRow], shard: int, num_shards: int) -> list[TokenizedRow]:
-    """Round-robin by position: balanced, and independent of which rows a resumed run skips."""
-    return list(rows[shard::num_shards])
-
-
-@dataclass(frozen=True)
-class _WorkerArgs:
-    worker: int  # producer id: unique per process, a replacement gets a new one
-    backend: str
-    target_dir: str
-    spec: FeatureSpec
-    device: str
-    dtype: str | None
-    threads: int
-    batch_rows: int
-    parent_pid: int
-    tasks: object  # multiprocessing Queue of row tuples; None = stop
-
-
-class SampleLedger:
-    """Trainer-side bookkeeping: every row of this rank is pending, in flight (with one worker) or done."""
-
-    def __init__(self, spec: FeatureSpec, rows: Sequence[TokenizedRow]):
-        self.spec = spec
-        self.rows = {r.row_id: r for r in rows}
-        self.pending = deque(r.row_id for r in rows)  # dataset order; reissued rows go to the front
-        self.in_flight: dict[int, dict[int, None]] = {}  # worker -> row ids, in hand-out order
-        self.owner: dict[int, int] = {}  # row id -> worker holding it
-        self.done: set[int] = set()
-        self.reissued = 0
-        self.duplicates_dropped = 0
-        self.hidden_size: int | None = None
-        self.num_hidden_layers: int | None = None
-
-    @property
-    def complete(self) -> bool:
-        return len(self.done) == len(self.rows)
-
-    def outstanding(self, worker: int) -> int:
-        return len(self.in_flight.get(worker, ()))
-
-    def ready(self, worker: int, info: dict) -> None:
-        dims = (info["num_hidden_layers"], info["hidden_size"])
-        if self.hidden_size is not None and dims != (self.num_hidden_layers, self.hidden_size):
-            raise FeatureWorkerError(f"feature worker {worker}: target has (layers, hidden) = {dims}, other "
-                                     f"workers reported {(self.num_hidden_layers, self.hidden_size)}")
-        self.num_hidden_layers, self.hidden_size = dims
-
-    def assign(self, worker: int, n: int) -> list[TokenizedRow]:
-        out = []
-        while self.pending and len(out) < n:
-            row_id = self.pending.popleft()
-            self.in_flight.setdefault(worker, {})[row_id] = None
-            self.owner[row_id] = worker
-            out.append(self.rows[row_id])
-        return out
-
-    def accept(self, msg: Received) -> FeatureSample | None:
-        """The checked sample, or None for a late duplicate of a row already done (counted)."""
-        worker, row_id = msg.producer_id, msg.key
-        if self.hidden_size is None:
-            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} arrived before any worker was ready")
-        if row_id not in self.rows:
-            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} is not in this rank's rows")
-        if row_id in self.done:
-            self.duplicates_dropped += 1
-            return None
-        if set(msg.tensors) != {"input_ids_T", "loss_mask_T", "hidden_TLD"}:
-            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} carries fields {sorted(msg.tensors)}")
-        sample = FeatureSample(row_id=row_id, **msg.tensors)
-        sample.check(self.spec, self.hidden_size)
-        if sample.loss_mask_T.dtype != torch.bool:  # FeatureSample.check leaves the mask dtype to us
-            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} loss mask is {sample.loss_mask_T.dtype}, "
-                                     "expected torch.bool")
-        row = self.rows[row_id]
-        if not (torch.equal(sample.input_ids_T, torch.tensor(row.input_ids, dtype=torch.int64))
-                and torch.equal(sample.loss_mask_T, torch.tensor(row.loss_mask, dtype=torch.bool))):
-            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} tokens or loss mask differ from "
-                                     "the dataset row")
-        holder = self.owner.pop(row_id, None)
-        if holder is not None:
-            del self.in_flight[holder][row_id]
-        else:  # reissued after its worker was declared dead, then its first copy arrived after all
-            self.pending.remove(row_id)
-        self.done.add(row_id)
-        return sample
-
-    def worker_died(self, worker: int) -> list[int]:
-        """Put a dead worker's in-flight rows back at the front of the queue; returns them."""
-        ids = list(self.in_flight.pop(worker, {}))
-        for row_id in ids:
-            del self.owner[row_id]
-        self.pending.extendleft(reversed(ids))
-        self.reissued += len(ids)
-        return ids
-
-    def finished(self, worker: int) -> None:
-        if self.outstanding(worker):
-            missing = list(self.in_flight[worker])
-            raise FeatureWorkerError(f"feature worker {worker} reported done, but rows {missing[:10]} "
-                                     f"({len(missing)} in all) never arrived")
 
 
 class FeatureServer:
@@ -194,12 +83,11 @@ class FeatureServer:
         self.rows = [r for r in shard_rows(rows, rank, num_ranks) if r.row_id not in skip_row_ids]
         self._capacity_bytes = max(1, int(c.capacity_mb * 2**20))
         self._shm_prefix = shm_prefix
-        self._config = dict(backend=c.backend, target_dir=str(target_dir), spec=spec, dtype=c.dtype,
-                            threads=c.threads_per_worker, batch_rows=batch_rows, parent_pid=os.getpid())
+        self._config, self._target_dir, self._batch_rows = c, str(target_dir), batch_rows
+        self._parent_pid = os.getpid()  # the workers' parent: they exit when it dies
         self._devices = devices
         self._prefetch = 2 * batch_rows
         self._restarts_left = max_worker_restarts
-        self._stall_timeout_s, self._load_timeout_s = c.stall_timeout_s, c.load_timeout_s
         self._ledger = SampleLedger(spec, self.rows)
         self._ctx = mp.get_context("spawn")  # fork would copy the trainer's threads/CUDA state into the workers
         self._procs: dict[int, mp.process.BaseProcess] = {}  # producer id -> process (live and dead)
@@ -237,9 +125,12 @@ class FeatureServer:
     def _spawn(self, slot: int) -> int:
         w, self._next_id = self._next_id, self._next_id + 1
         tasks = self._ctx.Queue()
-        args = _WorkerArgs(worker=w, device=self._devices[slot], tasks=tasks, **self._config)
+        c = self._config
+        args = WorkerArgs(worker=w, backend=c.backend, target_dir=self._target_dir, spec=self.spec,
+                          device=self._devices[slot], dtype=c.dtype, threads=c.threads_per_worker,
+                          batch_rows=self._batch_rows, parent_pid=self._parent_pid, tasks=tasks)
         # Not daemonic: a vLLM backend spawns its own engine processes, which daemons may not do.
-        p = self._ctx.Process(target=_worker_main, args=(args, self._channel.producer(w)), name=f"feature-worker-{w}")
+        p = self._ctx.Process(target=worker_main, args=(args, self._channel.producer(w)), name=f"feature-worker-{w}")
         p.start()
         self._channel.started(w)
         self._procs[w], self._tasks[w], self._slot[w] = p, tasks, slot
@@ -383,7 +274,7 @@ class FeatureServer:
             loaded = w in self._loaded
             if loaded and not self._ledger.outstanding(w):
                 continue  # idle: nothing owed
-            limit = self._stall_timeout_s if loaded else self._load_timeout_s
+            limit = self._config.stall_timeout_s if loaded else self._config.load_timeout_s
             silent_s = now - max(self._heard[w], waiting_since)
             if silent_s > limit:
                 self._stalled.add(w)
@@ -474,92 +365,6 @@ def _check_unique_ids(rows: Sequence[TokenizedRow]) -> None:
         if r.row_id in seen:
             raise ValueError(f"row id {r.row_id} appears twice in rows; row ids must be unique")
         seen.add(r.row_id)
-
-
-# ---- worker process ------------------------------------------------------------------------------------
-class _Terminated(BaseException):
-    """SIGTERM (from close(), or the trainer's death) as an exception, so the worker exits through its
-    finalizers (a partial segment is unlinked, tqdm's named semaphore released) instead of vanishing."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Terminated
-
-
-def _worker_main(args: _WorkerArgs, channel: ShmProducer) -> None:
-    # Its own process group, inherited by the vLLM engine processes it starts: if this worker is killed, the
-    # trainer kills the group (_kill_group), so no engine is left behind holding memory or a GPU.
-    os.setpgid(0, 0)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops us
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a worker is stuck
-    _die_with_parent(args.parent_pid, channel.prefix)
-    os.umask(0o077)  # whatever the backend writes (vLLM's hand-off files) is private to this user
-    os.environ["SPECDISTILL_SHM_PREFIX"] = channel.prefix  # scratch dirs named so the channel's sweep finds them
-    torch.set_num_threads(args.threads)
-    w, batch, backend = args.worker, [], None
-    try:
-        t0 = time.perf_counter()
-        device = _pin_gpu(args.device)
-        backend = build_backend(args.backend, args.target_dir, args.spec, device=device, dtype=args.dtype)
-        channel.send("ready", info={"num_hidden_layers": backend.num_hidden_layers,
-                                                   "hidden_size": backend.hidden_size,
-                                                   "load_s": time.perf_counter() - t0})
-        while (task := args.tasks.get()) is not None:
-            for start in range(0, len(task), args.batch_rows):
-                batch = task[start: start + args.batch_rows]
-                t0 = time.perf_counter()
-                hiddens = backend.extract(list(batch))
-                dt = time.perf_counter() - t0
-                if len(hiddens) != len(batch):
-                    raise RuntimeError(f"backend returned {len(hiddens)} hidden states for {len(batch)} rows")
-                for row, hidden_TLD in zip(batch, hiddens):
-                    channel.put(row.row_id, _sample_tensors(row, hidden_TLD), info={"extract_s": dt / len(batch)})
-            batch = []
-        channel.send("done", info={"blocked_s": channel.blocked_seconds})
-    except _Terminated:
-        channel.abandon()  # the trainer is shutting down: report nothing, wait for nothing
-        # SIGTERM comes from the trainer's close() (which sweeps too, after joining us) or from the trainer's
-        # death (PR_SET_PDEATHSIG; getppid() may still name it at this instant): either way the channel is done,
-        # and after a kill -9 of the trainer nobody else is left to remove our files.
-        sweep_segments(channel.prefix)
-        sys.exit(128 + signal.SIGTERM)
-    except BaseException as e:
-        channel.send("error", key=batch[0].row_id if batch else None,
-                     info={"rows": [r.row_id for r in batch], "error": f"{type(e).__name__}: {e}"[:2000],
-                           "traceback": traceback.format_exc()})
-        channel.close()
-        sys.exit(1)
-    finally:
-        if backend is not None:
-            backend.close()
-    channel.close()  # flush the control queue before the process exits
-
-
-def _pin_gpu(device: str) -> str:
-    """"cuda:N" -> this process sees only GPU N (as cuda:0), so a vLLM engine started here cannot touch the others."""
-    if not device.startswith("cuda:"):
-        return device
-    index = int(device.split(":")[1])
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
-    return "cuda:0"
-
-
-def _sample_tensors(row: TokenizedRow, hidden_TLD: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"input_ids_T": torch.tensor(row.input_ids, dtype=torch.int64),
-            "loss_mask_T": torch.tensor(row.loss_mask, dtype=torch.bool), "hidden_TLD": hidden_TLD}
-
-
-def _die_with_parent(parent_pid: int, prefix: str) -> None:
-    """Linux: SIGTERM this worker when the trainer dies, so a kill -9'd trainer leaves no orphans behind."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: close() and atexit still stop workers
-    if os.getppid() != parent_pid:  # the trainer died before prctl took effect
-        sweep_segments(prefix)
-        os._exit(1)
 
 
 _LIVE: "weakref.WeakSet[FeatureServer]" = weakref.WeakSet()

@@ -12,7 +12,7 @@ Hand-off: the connector writes one safetensors file per request into a private d
 the path, released after the write) orders reader and writer across processes; the backend reads, checks the
 token ids against the row and deletes the file at once.
 
-Layer ids: vLLM's `eagle_aux_hidden_state_layer_ids` use our convention (feature_server/contract.py) - the model
+Layer ids: vLLM's `eagle_aux_hidden_state_layer_ids` use our convention (core/contract.py) - the model
 records `hidden + residual` after `idx + 1` layers and id 0 before the first layer (llama.py / qwen3_next.py,
 `_maybe_add_hidden_state`), and id num_hidden_layers is the pre-final-norm state. So ids pass through unchanged.
 
@@ -42,8 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     load_hidden_states,
 )
 
+from core.contract import FeatureSpec, TokenizedRow
 from feature_server.backends import FeatureBackend, check_row
-from feature_server.contract import FeatureSpec, TokenizedRow
 
 logger = logging.getLogger(__name__)
 

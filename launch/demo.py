@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from core.run_dir import RunDir
+
 RUN_DIR = Path("outputs/demo")
 # The embedded default (conf/config.yaml) with a drafter sized for 2 cores: the production DFlash
 # (5 layers, 1024 anchors, 4096-token packs) takes tens of seconds per step there.
@@ -31,7 +33,7 @@ def train() -> dict:
     cmd = [sys.executable, "-m", "launch.train", *OVERRIDES, *sys.argv[1:]]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-    return json.loads((RUN_DIR / "metrics.json").read_text())
+    return json.loads(RunDir(RUN_DIR).metrics.read_text())
 
 
 def served(m: dict) -> dict:

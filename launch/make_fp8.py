@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from feature_server.fp8 import is_quantized_name, quantize_blockwise
+from core.fp8 import is_quantized_name, quantize_blockwise
 
 def make_fp8(src: Path, dst: Path, block: int = 128) -> Path:
     src, dst = Path(src), Path(dst)

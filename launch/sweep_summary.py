@@ -14,6 +14,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from core.run_dir import RunDir
+
 log = logging.getLogger(__name__)
 
 COLUMNS = ("run", "overrides", "drafter", "steps", "tau_offline", "final_loss", "tokens_per_s", "status")
@@ -23,7 +25,7 @@ def summary_row(job_dir: Path, sweep_dir: Path) -> dict:
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     overrides = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
     row = {"run": str(job_dir.relative_to(sweep_dir)), "overrides": list(overrides)}
-    metrics_file = job_dir / "metrics.json"
+    metrics_file = RunDir(job_dir).metrics
     if not metrics_file.is_file():
         return {**row, "status": "no metrics.json (failed or unfinished)"}
     m = json.loads(metrics_file.read_text())

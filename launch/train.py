@@ -16,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from core.run_dir import RunDir
 from launch.config import register_configs
 from launch.prepare import resolve_data, resolve_target
 from launch.ranks import launch_local
@@ -81,7 +82,7 @@ def _relaunch_as_ranks(ranks: int, run_dir: Path) -> dict:
     if code:
         raise SystemExit(f"{ranks} trainer ranks: a rank failed (exit code {code}); see the log above. The run "
                          f"resumes from its last checkpoint in {run_dir} when started again")
-    metrics_file = run_dir / "metrics.json"
+    metrics_file = RunDir(run_dir).metrics
     return json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
 
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from bench.prompts import read_prompts
 from bench.vllm_acceptance import served_vs_offline
+from core.run_dir import RunDir
 
 MAX_TOKENS, PROMPTS = 24, 6
 
 
 def run_heldout_prompts(run_dir: Path, n: int = PROMPTS) -> list[list[int]]:
     """The first n held-out prompts of the run's workload (metrics.json records its path)."""
-    heldout = json.loads((run_dir / "metrics.json").read_text())["skipped_rows"]["heldout"]["path"]
+    heldout = json.loads(RunDir(run_dir).metrics.read_text())["skipped_rows"]["heldout"]["path"]
     return read_prompts(heldout, None, n)[0]
 
 

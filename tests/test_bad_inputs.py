@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.batch import pack
+from core.target import TargetHead, TargetInfo
 from feature_server.config import FeatureServerConfig
 from launch.config import DataConfig
 from launch.prepare import resolve_data
 from drafters import DRAFTERS
-from trainer.batch import pack
-from trainer.checkpoint import TrainState, checkpoint_dir, latest_checkpoint, load_checkpoint
+from trainer.checkpoint import TrainState, load_checkpoint
 from trainer.config import TrainerConfig
-from trainer.target import TargetHead, TargetInfo
 from trainer.trainer import Trainer
 
 
@@ -94,5 +94,5 @@ def test_non_finite_hidden_states_stop_the_step_naming_step_and_row(small_traine
         small_trainer._step(batch, state)
     after = small_trainer.drafter.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the poisoned update never happened
-    assert state.step == 3 and latest_checkpoint(small_trainer.run_dir) is None
-    assert not checkpoint_dir(small_trainer.run_dir).exists()
+    assert state.step == 3 and small_trainer.run.latest_checkpoint() is None
+    assert not small_trainer.run.checkpoints.exists()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from core.run_dir import RunDir
 from tests.cli import REPO, SMALL, run_train
 
 
@@ -24,9 +25,10 @@ from tests.cli import REPO, SMALL, run_train
 def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
     tiny_target(target)  # built once per session, shared with the other tests
     run_dir = tmp_path / "run"
+    run = RunDir(run_dir)
     args = [f"target={target}", *SMALL, f"hydra.run.dir={run_dir}"]
     run_train([*args, "trainer.max_steps=3"], cache_dir)
-    first = json.loads((run_dir / "metrics.json").read_text())
+    first = json.loads(run.metrics.read_text())
     for key in ("drafter", "steps", "train_tokens", "tau_offline", "per_position_acceptance",
                 "feature_extraction_seconds", "training_seconds"):
         assert key in first, key
@@ -41,13 +43,13 @@ def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
     assert first["tau_offline"] == pytest.approx(selected["heldout_tau"]) == max(p["heldout_tau"] for p in curve)
     by_stage = first["acceptance_by_stage"]  # workload stages of the held-out rows; drafts add up to the total
     assert by_stage and sum(s["num_drafts"] for s in by_stage.values()) == first["heldout_drafts"]
-    assert (run_dir / "export" / "config.json").is_file() and (run_dir / "export" / "model.safetensors").is_file()
-    info = json.loads((run_dir / "run_info.json").read_text())
+    assert (run.export / "config.json").is_file() and (run.export / "model.safetensors").is_file()
+    info = json.loads(run.run_info.read_text())
     assert info["config"]["drafter"]["name"] == "dflash" and "torch" in info["versions"]
 
     second = run_train([*args, "trainer.max_steps=5"], cache_dir)
     assert "resumed from" in second.stderr + second.stdout
-    resumed = json.loads((run_dir / "metrics.json").read_text())
+    resumed = json.loads(run.metrics.read_text())
     assert resumed["steps"] == 5 and resumed["train_tokens"] > first["train_tokens"]
 
 
@@ -70,8 +72,8 @@ def test_two_ranks_launched_by_the_cli(tmp_path, cache_dir, tiny_target):
     started = r"started 2 trainer ranks \(pids \d+,\d+\); rendezvous store at 127\.0\.0\.1:\d+"
     assert re.search(started, out), out[-3000:]
     assert not run.found, f"listening off loopback: {run.found}"
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["steps"] == 2 and (run_dir / "export" / "model.safetensors").is_file()
+    metrics = json.loads(RunDir(run_dir).metrics.read_text())
+    assert metrics["steps"] == 2 and (RunDir(run_dir).export / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -89,7 +91,7 @@ def test_run_survives_a_killed_feature_worker_with_nothing_lost_or_twice(tmp_pat
            f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        log = run_dir / "train_log.jsonl"
+        log = RunDir(run_dir).train_log
         deadline = time.monotonic() + 600
         while not (log.is_file() and log.read_text().count("\n") >= 2):  # training, mid-epoch
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-5000:]
@@ -102,7 +104,7 @@ def test_run_survives_a_killed_feature_worker_with_nothing_lost_or_twice(tmp_pat
         proc.kill()
     assert proc.returncode == 0, out[-5000:]
     assert "exited with code -9" in out
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics = json.loads(RunDir(run_dir).metrics.read_text())
     assert metrics["steps"] == 30 and metrics["epochs_completed"] >= 1
     assert metrics["samples_lost"] == 0 and metrics["samples_duplicated"] == 0
     assert metrics["feature_workers_died"] == 1
@@ -133,7 +135,7 @@ def test_no_shared_memory_left_after_a_normal_end_or_a_kill_9_of_the_trainer(tmp
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 600
-        while not (run_dir / "train_log.jsonl").is_file() or not _run_files(run_dir):  # mid-run, rings in use
+        while not RunDir(run_dir).train_log.is_file() or not _run_files(run_dir):  # mid-run, rings in use
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         workers = psutil.Process(proc.pid).children(recursive=True)
@@ -165,23 +167,24 @@ def test_resume_after_kill_9_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 600
-        while not (resumed / "checkpoints" / "step_00000004.pt").is_file():  # mid-run
+        while not RunDir(resumed).checkpoint(4).is_file():  # mid-run
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(60)
     finally:
         proc.kill()
-    assert not (resumed / "metrics.json").exists()  # it really died mid-run
+    assert not RunDir(resumed).metrics.exists()  # it really died mid-run
     second = run_train([*args, f"hydra.run.dir={resumed}"], cache_dir)
     assert "resumed from" in second.stdout + second.stderr
-    a, b = load_file(straight / "export" / "model.safetensors"), load_file(resumed / "export" / "model.safetensors")
+    a, b = (load_file(RunDir(d).export / "model.safetensors") for d in (straight, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    m_a, m_b = (json.loads((d / "metrics.json").read_text()) for d in (straight, resumed))
+    m_a, m_b = (json.loads(RunDir(d).metrics.read_text()) for d in (straight, resumed))
     assert m_a["final_loss"] == m_b["final_loss"] and m_a["train_tokens"] == m_b["train_tokens"]
     assert m_b["epochs_completed"] == m_a["epochs_completed"] and m_b["samples_lost"] == m_b["samples_duplicated"] == 0
     # Run files are private to the user (launch.train sets umask 077).
-    for path in [resumed / "metrics.json", resumed / "export" / "model.safetensors", *resumed.glob("checkpoints/*.pt")]:
+    run = RunDir(resumed)
+    for path in [run.metrics, run.export / "model.safetensors", *run.checkpoint_files()]:
         assert path.stat().st_mode & 0o777 == 0o600, path
 
 
@@ -203,7 +206,7 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
     run_train([*args, "trainer.grad_accum=2", f"hydra.run.dir={one}"], cache_dir)
     run_train([*args, *two_ranks, f"hydra.run.dir={two}"], cache_dir)
     run_train([*args, *two_ranks, "trainer.parallel=fsdp", f"hydra.run.dir={fsdp}"], cache_dir)
-    logs = [[r for r in map(json.loads, (d / "train_log.jsonl").read_text().splitlines()) if "loss" in r]
+    logs = [[r for r in map(json.loads, RunDir(d).train_log.read_text().splitlines()) if "loss" in r]
             for d in (one, two, fsdp)]  # training records; the held-out points are records of their own
     assert [r["step"] for r in logs[0]] == [r["step"] for r in logs[1]] == [r["step"] for r in logs[2]] == [1, 2, 3, 4]
     for a, b, c in zip(*logs):
@@ -211,7 +214,7 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
         # Newton-Schulz turns ulps into bf16 roundings; seen: 8.2e-5 relative by step 3. Hence 1e-3 there.
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["loss"] == pytest.approx(c["loss"], rel=1e-3), \
             (a, b, c)
-    m_one, m_two, m_fsdp = (json.loads((d / "metrics.json").read_text()) for d in (one, two, fsdp))
+    m_one, m_two, m_fsdp = (json.loads(RunDir(d).metrics.read_text()) for d in (one, two, fsdp))
     assert m_one["final_loss"] == pytest.approx(m_two["final_loss"], rel=1e-4)
     assert m_one["train_tokens"] == m_two["train_tokens"] == m_fsdp["train_tokens"]  # summed over the ranks
     assert m_fsdp["samples_lost"] == m_fsdp["samples_duplicated"] == 0
@@ -221,7 +224,7 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
               cache_dir)
     second = run_train([*args, *two_ranks, "trainer.parallel=fsdp", f"hydra.run.dir={resumed}"], cache_dir)
     assert "resumed from" in second.stdout + second.stderr
-    a, b = (load_file(d / "export" / "model.safetensors") for d in (fsdp, resumed))
+    a, b = (load_file(RunDir(d).export / "model.safetensors") for d in (fsdp, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -235,5 +238,5 @@ def test_ranks_with_uneven_shards_stop_together(tmp_path, cache_dir, tiny_target
     run_train(["target=tiny-llama", *args, "data.rows=15", "trainer.token_budget=200", "trainer.max_epochs=1",
                "trainer.max_steps=100", "trainer.device=cpu", "trainer.eval_rows=1", "trainer.ranks=2",
                "feature_server.workers=2", "trainer.collective_timeout_s=120", f"hydra.run.dir={run_dir}"], cache_dir)
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics = json.loads(RunDir(run_dir).metrics.read_text())
     assert metrics["steps"] == 7 and metrics["samples_lost"] == metrics["samples_duplicated"] == 0

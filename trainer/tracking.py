@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.run_dir import RunDir
+
 LOGGER_BACKENDS = ("none", "wandb")
 WANDB_MODES = ("offline", "online")
 
@@ -44,7 +46,7 @@ def flatten_lists(record: dict) -> dict:
 class Tracker:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, enabled: bool):
         check_logger_config(cfg)
-        self.run_dir, self.enabled = run_dir, enabled
+        self.log_file, self.enabled = RunDir(run_dir).train_log, enabled
         self.wandb_run = _init_wandb(cfg, run_dir, config) if cfg.backend == "wandb" and enabled else None
 
     @classmethod
@@ -55,7 +57,7 @@ class Tracker:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.run_dir / "train_log.jsonl", "a") as f:
+        with open(self.log_file, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log(flatten_lists(record), step=record["step"])

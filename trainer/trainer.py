@@ -16,21 +16,22 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from core.batch import PackedBatch, pack_stream
+from core.run_dir import RunDir
+from core.target import TargetHead, TargetInfo
 from drafters import build_drafter
 from feature_server.config import FeatureServerConfig
 from feature_server.dataset import check_tokenizer_matches, load_rows
-from feature_server.server import FeatureServer, shard_rows
+from feature_server.ledger import shard_rows
+from feature_server.server import FeatureServer
 from trainer.layout import cuda_device_count, plan_node
 from trainer import distributed, parallel
 from trainer.ablation import ablate, ablate_hidden, check_ablation
-from trainer.batch import PackedBatch, pack_stream
-from trainer.checkpoint import (SUMMED_OVER_RANKS, TrainState, latest_checkpoint, load_checkpoint, rank_entry,
-                                save_checkpoint)
+from trainer.checkpoint import SUMMED_OVER_RANKS, TrainState, load_checkpoint, rank_entry, save_checkpoint
 from trainer.config import TrainerConfig
-from trainer.evaluate import stages_by_row_id
+from evaluation.acceptance import stages_by_row_id
 from trainer.metrics import StepMetrics
 from trainer.optim import Optimizers
-from trainer.target import TargetHead, TargetInfo
 from trainer.tracking import Tracker
 from trainer.validation import ValidationState, Validator, check_eval_settings, resolve_eval_every, usable_heldout
 
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, drafter_cfg, trainer_cfg: TrainerConfig, server_cfg: FeatureServerConfig, run_dir: Path,
                  target_dir: Path, train_path: Path, heldout_path: Path | None, resolved_config: dict | None = None):
-        self.cfg, self.server_cfg, self.run_dir = trainer_cfg, server_cfg, run_dir
+        self.cfg, self.server_cfg, self.run = trainer_cfg, server_cfg, RunDir(run_dir)
         self.layout = plan_node(trainer_cfg.ranks, server_cfg.workers, trainer_cfg.device, server_cfg.device,
                                 cuda_device_count())
         if trainer_cfg.grad_accum < 1:
@@ -233,7 +234,7 @@ class Trainer:
                              skip_row_ids=frozenset(skip), shm_prefix=self.shm_prefix)
 
     def _resume(self) -> TrainState:
-        path = latest_checkpoint(self.run_dir)
+        path = self.run.latest_checkpoint()
         self.validation = ValidationState()
         if path is None:
             return TrainState()
@@ -254,7 +255,7 @@ class Trainer:
         optimizer_state = parallel.optimizer_state(self.drafter, self.optimizers.optimizers)
         ranks = distributed.gather_objects(rank_entry(state, self.generator), self.dist)
         if self.dist.is_main:
-            save_checkpoint(self.run_dir, state.step, ranks, drafter_state, optimizer_state, self.meta,
+            save_checkpoint(self.run, state.step, ranks, drafter_state, optimizer_state, self.meta,
                             self.cfg.keep_checkpoints, self.validation.to_checkpoint())
         distributed.barrier(self.dist)
 
@@ -330,7 +331,7 @@ class Trainer:
         state = self._summed_over_ranks(state)
         drafter = self._unsharded_drafter()
         if self.dist.is_main:
-            export_dir = self.run_dir / "export"
+            export_dir = self.run.export
             drafter, selected = self._export_drafter(drafter)
             selected["step"] = selected["step"] or state.step
             drafter.export(export_dir, self.target)
@@ -373,7 +374,7 @@ class Trainer:
                                  "heldout": asdict(self.heldout_skips) if self.heldout_skips else None},
                 "export_dir": str(export_dir),
             }
-            (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+            self.run.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
             log.info("train rows skipped: %s", self.train_skips.summary())
             self.tracker.finish(metrics)
         return metrics

@@ -1,10 +1,11 @@
 """Held-out acceptance during training: the curve, the train-vs-held-out gap, and the best weights.
 
-Every `trainer.eval_every` steps rank 0 walks the greedy decode path (trainer/evaluate.py) on the held-out rows,
-and on as many training rows (the "probe"), with the drafter cast to the dtype its export is served in. Both sets'
-target states are extracted once, when training starts, and kept in memory (`eval_rows` rows each), so an
-evaluation costs drafter passes only. The progress bar's tau is an estimate on training batches; the held-out walk
-is what vLLM will see, and the probe walk next to it shows overfitting (a rising gap) while it happens.
+Every `trainer.eval_every` steps rank 0 walks the greedy decode path (evaluation/acceptance.py) on the held-out
+rows, and on as many training rows (the "probe"), with the drafter cast to the dtype its export is served in
+(evaluation/served.py). Both sets' target states are extracted once, when training starts, and kept in memory
+(`eval_rows` rows each), so an evaluation costs drafter passes only. The progress bar's tau is an estimate on
+training batches; the held-out walk is what vLLM will see, and the probe walk next to it shows overfitting (a
+rising gap) while it happens.
 
 The export is the weights with the best held-out tau (`trainer.export=best`, the default) or the last ones
 (`export=last`). The best weights travel in every checkpoint, so a resumed run keeps them. The selection and the
@@ -12,14 +13,12 @@ reported tau use the same held-out rows, which favours the selected weights slig
 much on the development target.
 """
 
-import copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import export_dtype
-from trainer.evaluate import evaluate_report
+from evaluation.served import evaluate_as_served
 
 EXPORT_POLICIES = ("best", "last")
 
@@ -40,21 +39,6 @@ class ValidationState:
     @classmethod
     def from_checkpoint(cls, entry: dict | None) -> "ValidationState":
         return cls(**entry) if entry else cls()
-
-
-def serving_copy(drafter, head):
-    """(drafter, head) in the export's dtype: evaluate the weights vLLM will serve, not the fp32 masters."""
-    dtype = export_dtype(drafter.target)
-    if dtype == torch.float32:
-        return drafter, head
-    return copy.deepcopy(drafter).to(dtype), copy.deepcopy(head).to(dtype)
-
-
-def evaluate_as_served(drafter, head, samples, layer_ids, device, **report_kwargs):
-    """trainer.evaluate.evaluate_report with the drafter (and the target head) in the export's dtype."""
-    served, served_head = serving_copy(drafter, head)
-    return evaluate_report(served, served_head, samples, layer_ids, device, export_dtype(drafter.target),
-                           **report_kwargs)
 
 
 class Validator:

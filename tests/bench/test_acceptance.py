@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from bench.acceptance import main
+from core.run_dir import RunDir
+from core.target import TargetInfo
 from drafters.dflash import DFlashConfig, DFlashDrafter
-from trainer.target import TargetInfo
 
 pytestmark = pytest.mark.slow  # builds the tiny llama (shared with the session)
 
@@ -24,10 +25,11 @@ def fake_run(run_dir, target_dir, block_size: int, seed: int):
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     drafter = DFlashDrafter.build(DFlashConfig(**fields), TargetInfo.load(target_dir), tokenizer)
-    (run_dir / "checkpoints").mkdir(parents=True)
-    torch.save({"drafter": drafter.state_dict()}, run_dir / "checkpoints" / "step_00000001.pt")
-    (run_dir / "run_info.json").write_text(json.dumps({"config": {"drafter": fields}}))
-    (run_dir / "metrics.json").write_text(json.dumps({"target": str(target_dir)}))
+    run = RunDir(run_dir)
+    run.checkpoints.mkdir(parents=True)
+    torch.save({"drafter": drafter.state_dict()}, run.checkpoint(1))
+    run.run_info.write_text(json.dumps({"config": {"drafter": fields}}))
+    run.metrics.write_text(json.dumps({"target": str(target_dir)}))
     return run_dir
 
 

@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
+from bench.speculators_reference import all_anchors, load_reference
+from core.target import TargetHead, TargetInfo
 from drafters.dflash import DFlashConfig, DFlashDrafter, dpace_weights, spread_layer_ids
 from kernels.attention import anchor_block_mask
-from trainer.target import TargetHead, TargetInfo
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-from tests.drafters.parity import (all_anchors, assert_same_loss_and_gradients, block_reference_inputs,
-                                   load_reference)
+from tests.drafters.parity import assert_same_loss_and_gradients, block_reference_inputs
 
 
 def small_cfg(**kw) -> DFlashConfig:

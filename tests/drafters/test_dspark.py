@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
+from bench.speculators_reference import all_anchors, load_reference
+from core.target import TargetHead, TargetInfo
 from drafters.dspark import DSparkConfig, DSparkDrafter
-from trainer.target import TargetHead, TargetInfo
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-from tests.drafters.parity import (all_anchors, assert_same_loss_and_gradients, block_reference_inputs,
-                                   load_reference)
+from tests.drafters.parity import assert_same_loss_and_gradients, block_reference_inputs
 
 
 def small_cfg(**kw) -> DSparkConfig:

@@ -7,14 +7,16 @@ import shutil
 import pytest
 import torch
 
+from bench.speculators_reference import load_reference
+from core.batch import PackedBatch
+from core.contract import TokenizedRow
+from core.run_dir import RunDir
+from core.target import TargetHead, TargetInfo
 from drafters.eagle3 import (Eagle3Config, Eagle3Drafter, build_draft_vocab, default_layer_ids,
                              speculators_loss_mask)
-from feature_server.contract import TokenizedRow
-from trainer.batch import PackedBatch
-from trainer.target import TargetHead, TargetInfo
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
-from tests.drafters.parity import assert_same_loss_and_gradients, load_reference
+from tests.drafters.parity import assert_same_loss_and_gradients
 
 
 def test_default_layer_ids_follow_vllm_and_clip_for_shallow_targets():
@@ -171,7 +173,7 @@ def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path):
 
 
 # --- served by vLLM --------------------------------------------------------------------------------------------
-# The offline walk (trainer.evaluate) replays vLLM's greedy decode path on the target's true states of vLLM's own
+# The offline walk (evaluation.acceptance) replays vLLM's greedy decode path on the target's true states of vLLM's own
 # base outputs, so its counters must equal vLLM's: exactly on fp32 tiny-llama, closely on bf16 tiny-qwen3-next.
 # draft_vocab_size below the number of distinct response tokens: the served export really maps through d2t.
 TRAIN = ["drafter=eagle3", "drafter.draft_vocab_size=512", "data.rows=48", "data.heldout_rows=8",
@@ -187,7 +189,7 @@ def served(request, tmp_path_factory, cache_dir, tiny_target):
     target_dir = tiny_target(request.param)
     run_dir = tmp_path_factory.mktemp(f"eagle3-{request.param}") / "run"
     run_train([f"target={request.param}", *TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
-    config = json.loads((run_dir / "export" / "config.json").read_text())
+    config = json.loads((RunDir(run_dir).export / "config.json").read_text())
     assert config["draft_vocab_size"] == 512 and config["speculators_model_type"] == "eagle3"
     return served_run(request.param, run_dir, target_dir, "eagle3")
 
@@ -222,7 +224,7 @@ def test_off_by_one_layer_ids_are_caught_by_the_acceptance_check(served, tmp_pat
     from tests.serving_helpers import MAX_TOKENS
 
     broken = tmp_path / "export"
-    shutil.copytree(served["run_dir"] / "export", broken)
+    shutil.copytree(RunDir(served["run_dir"]).export, broken)
     config = json.loads((broken / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
     (broken / "config.json").write_text(json.dumps(config))

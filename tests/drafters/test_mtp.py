@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from core.batch import PackedBatch
+from core.run_dir import RunDir
+from core.target import RMSNorm, TargetHead, TargetInfo
 from drafters.mtp import MTPConfig, MTPDrafter, step_weights
 from kernels.logits import ce_reference
 from kernels.moe import fuse_expert_weights
-from trainer.batch import PackedBatch
-from trainer.target import RMSNorm, TargetHead, TargetInfo
 from tests.drafters.learnable import make_learnable, train_losses
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5-moe"]
@@ -322,7 +323,7 @@ def served(tmp_path_factory, cache_dir, tiny_target):
     run_dir = tmp_path_factory.mktemp("serve-mtp") / "run"
     run_train([*TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
     return {**served_run("tiny-qwen3-next", run_dir, target_dir, "mtp"),
-            "metrics": json.loads((run_dir / "metrics.json").read_text())}
+            "metrics": json.loads(RunDir(run_dir).metrics.read_text())}
 
 
 @pytest.mark.slow

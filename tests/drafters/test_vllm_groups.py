@@ -2,10 +2,11 @@
 
 import pytest
 
-from drafters.dflash import DFlashConfig, LayerShape, served_layers
+from core.target import TargetInfo
+from drafters.dflash import DFlashConfig, served_layers
+from drafters.layers import LayerShape
 from drafters.vllm_groups import (LINEAR, attention_spec, drafter_in_one_group, max_layers_in_one_group,
                                   target_specs)
-from trainer.target import TargetInfo
 
 FULL = attention_spec("full", 2, 32)
 SLIDING = attention_spec("sliding", 2, 32, 2048)

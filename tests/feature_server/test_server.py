@@ -8,14 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from core.contract import TokenizedRow
 from feature_server.config import FeatureServerConfig
-from feature_server.contract import FeatureSpec, TokenizedRow
 from feature_server.hf_backend import HFBackend
-from feature_server.server import FeatureServer, FeatureWorkerError, SampleLedger, shard_rows
-from feature_server.shm_transport import Received, segment_paths
-
-VOCAB, HIDDEN, LAYERS = 128, 32, 2
-SPEC = FeatureSpec(layer_ids=(0, 1, LAYERS), hidden_dtype="float32")
+from feature_server.ledger import FeatureWorkerError, shard_rows
+from feature_server.server import FeatureServer
+from feature_server.shm_transport import segment_paths
+from tests.feature_server.rows import HIDDEN, LAYERS, SPEC, VOCAB, make_rows
 
 
 def cfg(**settings) -> FeatureServerConfig:
@@ -34,22 +33,12 @@ def target(tmp_path_factory):
     return str(path)
 
 
-def _rows(n: int, first_id: int = 1000) -> list[TokenizedRow]:
-    g = torch.Generator().manual_seed(n)
-    rows = []
-    for i in range(n):
-        T = 3 + i % 5
-        ids = tuple(torch.randint(0, VOCAB, (T,), generator=g).tolist())
-        rows.append(TokenizedRow(first_id + 7 * i, ids, (0,) * (T - 2) + (1, 1)))  # sparse, non-contiguous ids
-    return rows
-
-
 def _prefix(request) -> str:
     return "sdtest_" + "".join(c if c.isalnum() else "_" for c in request.node.name)[-40:]
 
 
 def test_two_workers_deliver_every_row_exactly_once(target, request):
-    rows = _rows(10)
+    rows = make_rows(10)
     expected = {r.row_id: h for r, h in zip(rows, HFBackend(target, SPEC).extract(rows))}
     prefix = _prefix(request)
     with FeatureServer(target, SPEC, rows, cfg(workers=2), shm_prefix=prefix) as server:
@@ -72,7 +61,7 @@ def test_two_workers_deliver_every_row_exactly_once(target, request):
 
 
 def test_rank_shards_are_disjoint_and_complete_and_stable_under_skips(target):
-    rows = _rows(23)
+    rows = make_rows(23)
     skip = frozenset(r.row_id for r in rows[::5])
     owned = [[r.row_id for r in FeatureServer(target, SPEC, rows, cfg(workers=2), rank=rank, num_ranks=3,
                                               skip_row_ids=skip).rows] for rank in range(3)]
@@ -85,8 +74,8 @@ def test_rank_shards_are_disjoint_and_complete_and_stable_under_skips(target):
 
 
 @pytest.mark.slow  # two spawned workers importing torch + transformers: ~15 s on 2 cores
-def test_rank_sharding_is_disjoint_and_complete_and_skips_rows(target, request):
-    rows = _rows(13)
+def test_rank_sharding_is_disjoint_and_complete_and_skipsmake_rows(target, request):
+    rows = make_rows(13)
     skip = frozenset(r.row_id for r in rows[::4])
     prefix = _prefix(request)
     # Both ranks' servers run at once, as under torchrun.
@@ -108,7 +97,7 @@ def test_rank_sharding_is_disjoint_and_complete_and_skips_rows(target, request):
 
 
 def test_worker_exception_names_worker_and_row_and_cleans_up(target, request):
-    rows = _rows(6)
+    rows = make_rows(6)
     bad = TokenizedRow(rows[2].row_id, rows[2].input_ids[:-1] + (VOCAB + 3,), rows[2].loss_mask)
     rows[2] = bad
     prefix = _prefix(request)
@@ -133,7 +122,7 @@ def _consume_killing(server, kill_after: int = 1):
 
 
 def test_killed_worker_without_restarts_raises_instead_of_hanging(target, request):
-    rows = _rows(30)
+    rows = make_rows(30)
     prefix = _prefix(request)
     # Tiny capacity: one sample in flight at a time, so the worker cannot finish while we hold off.
     server = FeatureServer(target, SPEC, rows, cfg(capacity_mb=1e-6), shm_prefix=prefix, max_worker_restarts=0)
@@ -146,7 +135,7 @@ def test_killed_worker_without_restarts_raises_instead_of_hanging(target, reques
 @pytest.mark.slow  # three spawned workers: ~20 s on 2 cores
 def test_killed_worker_rows_are_reissued_exactly_once(target, request):
     """kill -9 one of two workers mid-run: its in-flight rows go to the other; every row arrives exactly once."""
-    rows = _rows(40)
+    rows = make_rows(40)
     prefix = _prefix(request)
     server = FeatureServer(target, SPEC, rows, cfg(workers=2, capacity_mb=1e-6), shm_prefix=prefix,
                            max_worker_restarts=0)
@@ -168,7 +157,7 @@ def test_killed_worker_rows_are_reissued_exactly_once(target, request):
 def test_hung_worker_is_killed_and_its_rows_reissued_exactly_once(target, request, caplog):
     """kill -STOP one of two workers mid-run (alive, silent: a stuck GPU or engine): once the trainer has waited
     stall_timeout_s for it, it is killed and its rows go to the other worker; every row arrives exactly once."""
-    rows = _rows(16)
+    rows = make_rows(16)
     prefix = _prefix(request)
     server = FeatureServer(target, SPEC, rows, cfg(workers=2, capacity_mb=1e-6, stall_timeout_s=5), shm_prefix=prefix,
                            max_worker_restarts=0)
@@ -190,7 +179,7 @@ def test_hung_worker_is_killed_and_its_rows_reissued_exactly_once(target, reques
 @pytest.mark.slow  # waits out a 20 s load timeout
 @pytest.mark.timeout(180)
 def test_worker_hung_while_loading_is_replaced(target, request, caplog):
-    rows = _rows(4)
+    rows = make_rows(4)
     prefix = _prefix(request)
     server = FeatureServer(target, SPEC, rows, cfg(load_timeout_s=20), shm_prefix=prefix, max_worker_restarts=1)
     server.start()
@@ -203,63 +192,8 @@ def test_worker_hung_while_loading_is_replaced(target, request, caplog):
     assert segment_paths(prefix) == []
 
 
-def _ledger():
-    rows = _rows(4)
-    ledger = SampleLedger(SPEC, rows)
-    return rows, ledger
-
-
-def _received(row: TokenizedRow, worker: int, hidden_TLD=None) -> Received:
-    if hidden_TLD is None:
-        hidden_TLD = torch.zeros(row.num_tokens, len(SPEC.layer_ids), HIDDEN)
-    tensors = {"input_ids_T": torch.tensor(row.input_ids), "loss_mask_T": torch.tensor(row.loss_mask).bool(),
-               "hidden_TLD": hidden_TLD}
-    return Received("data", worker, row.row_id, {}, tensors)
-
-
-def test_ledger_rejects_samples_that_break_the_contract():
-    rows, ledger = _ledger()
-    assert [r.row_id for r in ledger.assign(0, 2)] == [rows[0].row_id, rows[1].row_id]
-    with pytest.raises(FeatureWorkerError, match="before any worker was ready"):
-        ledger.accept(_received(rows[0], 0))
-    ledger.ready(0, {"num_hidden_layers": LAYERS, "hidden_size": HIDDEN})
-    stranger = TokenizedRow(5, rows[0].input_ids, rows[0].loss_mask)
-    with pytest.raises(FeatureWorkerError, match="row 5 is not in this rank's rows"):
-        ledger.accept(_received(stranger, 0))
-    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden states shape"):
-        ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 1, HIDDEN)))
-    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden dtype"):
-        ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 3, HIDDEN, dtype=torch.bfloat16)))
-    int_mask = _received(rows[0], 0)
-    int_mask.tensors["loss_mask_T"] = int_mask.tensors["loss_mask_T"].long()
-    with pytest.raises(FeatureWorkerError, match="loss mask is torch.int64"):
-        ledger.accept(int_mask)
-    tampered = TokenizedRow(rows[1].row_id, (rows[1].input_ids[0] + 1,) + rows[1].input_ids[1:], rows[1].loss_mask)
-    with pytest.raises(FeatureWorkerError, match="tokens or loss mask differ"):
-        ledger.accept(_received(tampered, 0))
-    assert ledger.accept(_received(rows[0], 0)) is not None
-    with pytest.raises(FeatureWorkerError, match=rf"reported done, but rows \[{rows[1].row_id}\]"):
-        ledger.finished(0)
-
-
-def test_ledger_reissues_a_dead_workers_rows_and_drops_late_duplicates():
-    rows, ledger = _ledger()
-    ledger.ready(0, {"num_hidden_layers": LAYERS, "hidden_size": HIDDEN})
-    ledger.assign(0, 2)
-    ledger.assign(1, 2)
-    assert ledger.accept(_received(rows[0], 0)) is not None
-    assert ledger.worker_died(0) == [rows[1].row_id]  # in flight with the dead worker -> back in the queue
-    assert list(ledger.pending) == [rows[1].row_id]
-    assert [r.row_id for r in ledger.assign(1, 1)] == [rows[1].row_id]
-    for row in rows[1:]:
-        assert ledger.accept(_received(row, 1)) is not None
-    assert ledger.complete and ledger.reissued == 1
-    assert ledger.accept(_received(rows[1], 0)) is None  # the dead worker's late copy
-    assert ledger.duplicates_dropped == 1 and len(ledger.done) == 4
-
-
 def test_argument_errors(target):
-    rows = _rows(3)
+    rows = make_rows(3)
     with pytest.raises(ValueError, match="rank"):
         FeatureServer(target, SPEC, rows, cfg(), rank=2, num_ranks=2)
     with pytest.raises(ValueError, match="valid names: \\['hf'"):

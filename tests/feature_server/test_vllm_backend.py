@@ -1,6 +1,6 @@
 """VLLMBackend (real vLLM, extract_hidden_states + SyncHiddenStatesConnector) against a transformers reference.
 
-Reference convention (feature_server/contract.py): id 0 = output of embed_tokens, id k = transformers'
+Reference convention (core/contract.py): id 0 = output of embed_tokens, id k = transformers'
 hidden_states[k] (after k decoder layers), id L = the input of the final norm (transformers' last hidden_states
 entry is post-norm). One engine per target per module: the llama engine serves every llama test; the Qwen3-Next
 engine extracts once and is shut down inside its fixture.
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from feature_server.contract import FeatureSpec, TokenizedRow
+from core.contract import FeatureSpec, TokenizedRow
 from feature_server.vllm_backend import VLLMBackend
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from core.run_dir import RunDir
 from launch.config import DataConfig
 from launch.prepare import resolve_data
 from tests.listeners import SampledRun, off_loopback_listeners
@@ -203,8 +204,8 @@ def test_ray_job_two_ranks_one_process_group(ray_head, tmp_path, cache_dir, tiny
     else:
         assert [(r, n, lr) for r, n, _, lr in placed] == [("0", "0", "0"), ("1", "1", "0")], out[-3000:]
         assert placed[0][2] != placed[1][2]  # two different raylets
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["steps"] == 2 and (run_dir / "export" / "model.safetensors").is_file()
+    metrics = json.loads(RunDir(run_dir).metrics.read_text())
+    assert metrics["steps"] == 2 and (RunDir(run_dir).export / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from core.target import TargetInfo
 from launch.corpus import corpus_files, digest
 from launch.small_real import ASSET_DIR, DIGEST_STEPS, make_small_real
-from trainer.target import TargetInfo
 
 BUILD_INFO = json.loads((ASSET_DIR / "build_info.json").read_text())
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from core.run_dir import RunDir
 from launch.sweep_summary import collect_rows, write_summary
 from tests.processes import run_bounded
 from tests.cli import REPO, SMALL
@@ -18,7 +19,7 @@ def _fake_job(sweep_dir: Path, name: str, overrides: list[str], metrics: dict | 
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     if metrics is not None:
-        (job / "metrics.json").write_text(json.dumps(metrics))
+        RunDir(job).metrics.write_text(json.dumps(metrics))
 
 
 def test_table_rows_follow_job_numbers_and_flag_missing_metrics(tmp_path):
@@ -53,10 +54,10 @@ def test_two_by_one_sweep_writes_summary(tmp_path, cache_dir, tiny_target):
     assert [(r["run"], r["drafter"], r["status"]) for r in rows] == [("0-dflash", "dflash", "ok"),
                                                                       ("1-dflash2", "dflash2", "ok")]
     for row in rows:
-        metrics = json.loads((sweep_dir / row["run"] / "metrics.json").read_text())
+        metrics = json.loads(RunDir(sweep_dir / row["run"]).metrics.read_text())
         assert float(row["tau_offline"]) == metrics["tau_offline"] and 1.0 <= metrics["tau_offline"] <= 8.0
         assert float(row["tokens_per_s"]) == pytest.approx(metrics["train_tokens"] / metrics["training_seconds"])
-        assert row["overrides"] == f"drafter={row['drafter']}" and (sweep_dir / row["run"] / "export").is_dir()
+        assert row["overrides"] == f"drafter={row['drafter']}" and RunDir(sweep_dir / row["run"]).export.is_dir()
         assert len(list((sweep_dir / row["run"] / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
     table = (sweep_dir / "sweep_summary.md").read_text()
     assert "| 0-dflash |" in table and "| 1-dflash2 |" in table and "trainer.lr=0.002" in table

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
+from core.run_dir import RunDir
 from trainer import checkpoint, parallel
-from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, rank_entry, save_checkpoint
+from trainer.checkpoint import TrainState, load_checkpoint, rank_entry, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.optim import Optimizers
 
@@ -23,7 +24,7 @@ def _parts(seed: int):
 
 def _save(tmp_path, states: list[TrainState], model, optimizers, generator):
     """What Trainer._save writes: full model/optimizer states and one entry per rank."""
-    return save_checkpoint(tmp_path, states[0].step, [rank_entry(s, generator) for s in states],
+    return save_checkpoint(RunDir(tmp_path), states[0].step, [rank_entry(s, generator) for s in states],
                            parallel.model_state(model), parallel.optimizer_state(model, optimizers.optimizers),
                            META, 2)
 
@@ -45,7 +46,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_usable(tmp_path, mon
         _save(tmp_path, [TrainState(step=2)], model, optimizers, generator)
     monkeypatch.undo()
 
-    path = latest_checkpoint(tmp_path)
+    path = RunDir(tmp_path).latest_checkpoint()
     assert path.name == "step_00000001.pt"  # the half-written step 2 is only ever a .tmp
     fresh, fresh_opt, fresh_gen = _parts(1)
     ckpt = load_checkpoint(path, META)

@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize
 from omegaconf import OmegaConf
 
+from core.run_dir import RunDir
 from launch.config import register_configs
 from trainer.tracking import LoggerConfig, Tracker, flatten_lists
 
@@ -52,7 +53,7 @@ def test_none_logger_writes_only_the_jsonl(tmp_path):
     for r in RECORDS:
         tracker.log(r)
     tracker.finish(FINAL)
-    assert [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()] == RECORDS
+    assert [json.loads(line) for line in RunDir(tmp_path).train_log.read_text().splitlines()] == RECORDS
     assert not (tmp_path / "wandb").exists()
 
 

@@ -6,12 +6,13 @@ import json
 import pytest
 import torch
 
+from core.run_dir import RunDir
 from drafters import DRAFTERS
 from feature_server.config import FeatureServerConfig
 from launch.config import DataConfig
 from launch.prepare import resolve_data
 from trainer.ablation import ablate_hidden, check_ablation
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.checkpoint import load_checkpoint
 from trainer.config import TrainerConfig
 from trainer.trainer import Trainer
 from trainer.validation import check_eval_settings, resolve_eval_every
@@ -47,12 +48,12 @@ def test_held_out_curve_best_export_and_resume_keep_the_best(data, tmp_path):
     best = max(curve, key=lambda p: p["heldout_tau"])  # ties: the first (strictly better replaces)
     assert metrics["export_selected"] == {"policy": "best", "step": best["step"], "heldout_tau": best["heldout_tau"]}
     assert metrics["tau_offline"] == pytest.approx(best["heldout_tau"])  # the exported weights, re-walked
-    saved = load_checkpoint(latest_checkpoint(tmp_path / "run"), trainer.meta)
+    saved = load_checkpoint(trainer.run.latest_checkpoint(), trainer.meta)
     assert saved.validation["best_step"] == best["step"] and saved.validation["curve"] == curve
-    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in RunDir(tmp_path / "run").train_log.read_text().splitlines()]
     assert [r["step"] for r in log if "heldout/heldout_tau" in r] == [0, 2, 4, 6]
     # A run resumed from its step-3 checkpoint knows the step-2 point and continues the same curve.
-    (tmp_path / "run" / "checkpoints" / "step_00000006.pt").unlink()
+    RunDir(tmp_path / "run").checkpoint(6).unlink()
     resumed = _trainer(data, tmp_path / "run").train()
     assert [p["step"] for p in resumed["heldout_curve"]] == [0, 2, 4, 6]
     assert resumed["heldout_curve"][:2] == curve[:2]

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from feature_server.fp8 import dequantize_blockwise
+from core.fp8 import dequantize_blockwise
 
 # model_type -> whether its RMSNorm computes x_normed * (1 + w) (zero-centred weights).
 SUPPORTED_MODEL_TYPES = {

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from feature_server.contract import FeatureSample
+from core.contract import FeatureSample
 
 
 @dataclass

@@ -1,7 +1,7 @@
 import torch
 
-from feature_server.contract import FeatureSample
-from trainer.batch import pack_stream
+from core.batch import pack_stream
+from core.contract import FeatureSample
 
 
 def sample(row_id, n, L=2, D=4):

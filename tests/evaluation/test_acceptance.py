@@ -1,6 +1,6 @@
 """The offline decode-path walk: the same counters a greedy speculative engine reports."""
 
-from trainer.evaluate import AcceptanceCounts, walk
+from evaluation.acceptance import AcceptanceCounts, walk
 
 
 def test_walk_follows_anchor_plus_accepted_plus_one():
@@ -43,10 +43,10 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from feature_server.contract import FeatureSample  # noqa: E402
-from trainer.batch import PackedBatch  # noqa: E402
-from trainer.evaluate import (  # noqa: E402
-    NO_STAGE, draft_logits, evaluate, evaluate_report, sampled_walk, stages_by_row_id, verify_lossless)
+from core.batch import PackedBatch  # noqa: E402
+from core.contract import FeatureSample  # noqa: E402
+from evaluation.acceptance import (  # noqa: E402
+    NO_STAGE, evaluate, evaluate_report, sampled_walk, stages_by_row_id, verify_lossless)
 
 
 def test_verify_lossless_emits_the_target_distribution_and_accepts_sum_min_p_q():
@@ -121,7 +121,7 @@ def _drafters(tiny_llama_dir):
     from drafters.dflash2 import DFlash2Config, DFlash2Drafter
     from drafters.dspark import DSparkConfig, DSparkDrafter
     from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from trainer.target import TargetInfo
+    from core.target import TargetInfo
 
     info = TargetInfo.load(tiny_llama_dir)
     small = dict(num_layers=1, target_layer_ids=[1, 2, 3], sliding_window=None, block_size=4)
@@ -149,7 +149,7 @@ def test_draft_distribution_argmax_is_the_greedy_draft_when_the_row_follows_it(t
     torch.manual_seed(0)
     info, drafters = _drafters(tiny_llama_dir)
     drafter = drafters[name].eval()
-    from trainer.target import TargetHead
+    from core.target import TargetHead
 
     head = TargetHead(info)
     batch = _batch(info, drafter.feature_spec().layer_ids)
@@ -158,7 +158,7 @@ def test_draft_distribution_argmax_is_the_greedy_draft_when_the_row_follows_it(t
     for n, a in enumerate(anchors.tolist()):
         batch.input_ids_T[a + 1:a + 1 + drafts.shape[1]] = drafts[n]
     with torch.no_grad():
-        logits = draft_logits(drafter, batch, head, anchors)
+        logits = drafter.draft_logits(batch, head, anchors)
     assert logits.shape == (2, drafter.num_speculative_tokens, info.vocab_size)
     assert torch.equal(logits.argmax(-1), drafter.propose(batch, head, anchors))
 
@@ -166,7 +166,7 @@ def test_draft_distribution_argmax_is_the_greedy_draft_when_the_row_follows_it(t
 def test_draft_distribution_of_mtp(tmp_path):
     from drafters.mtp import MTPConfig, MTPDrafter
     from launch.targets import make_target
-    from trainer.target import TargetHead, TargetInfo
+    from core.target import TargetHead, TargetInfo
 
     info = TargetInfo.load(make_target("tiny-qwen3-next", tmp_path / "t", fit_steps=0))
     head = TargetHead(info)
@@ -177,7 +177,7 @@ def test_draft_distribution_of_mtp(tmp_path):
     for n, a in enumerate(anchors.tolist()):
         batch.input_ids_T[a + 1:a + 4] = drafts[n]
     with torch.no_grad():
-        assert torch.equal(draft_logits(drafter, batch, head, anchors).argmax(-1), drafter.propose(batch, head, anchors))
+        assert torch.equal(drafter.draft_logits(batch, head, anchors).argmax(-1), drafter.propose(batch, head, anchors))
 
 
 def test_stages_by_row_id_counts_blank_lines_and_names_bad_fields(tmp_path):
@@ -198,7 +198,7 @@ def _make_rows_the_targets_greedy(sample, head, last):
 
 
 def test_report_by_stage_sums_to_the_total_and_is_seeded_per_row(tiny_llama_dir):
-    from trainer.target import TargetHead
+    from core.target import TargetHead
 
     torch.manual_seed(0)
     info, drafters = _drafters(tiny_llama_dir)

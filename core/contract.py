@@ -10,12 +10,15 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtype hidden states cross the process boundary in unless a run sets feature_server.hidden_dtype: half
+# of fp32's bytes through shared memory.
+DEFAULT_HIDDEN_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
 class FeatureSpec:
     layer_ids: tuple[int, ...]  # ascending, deduplicated (vLLM sorts them too)
-    hidden_dtype: str = "bfloat16"
+    hidden_dtype: str = DEFAULT_HIDDEN_DTYPE
 
     def __post_init__(self):
         if list(self.layer_ids) != sorted(set(self.layer_ids)):

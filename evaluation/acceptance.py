@@ -10,10 +10,11 @@ T > 0 (`temperature`): the lossless rule (Leviathan et al. 2023; docs/acceptance
 draft x_k is accepted with probability min(1, p_k(x_k) / q_k(x_k)), p = softmax(target logits / T),
 q = the draft distribution; the first rejection resamples from normalize(max(0, p - q)). Two drafting
 modes: "greedy" (q one-hot at propose()'s draft, as vLLM drafts: accept while the draft equals a sample
-from p) and "sample" (q = softmax(draft logits / T), x ~ q). The walk stays on the row: contexts after an
-accepted token are the row's own tokens (teacher forcing), which is exact whenever the accepted token is
-the row's (always at T -> 0) and an approximation otherwise. Randomness is seeded per (seed, row_id), so
-counts do not depend on the order rows stream in.
+from p) and "sample" (q = softmax(draft logits / T), x ~ q, the logits from each drafter's own
+`draft_logits`). The walk stays on the row: contexts after an accepted token are the row's own tokens
+(teacher forcing), which is exact whenever the accepted token is the row's (always at T -> 0) and an
+approximation otherwise. Randomness is seeded per (seed, row_id), so counts do not depend on the order
+rows stream in.
 
 tau = 1 + mean accepted per step; a_k = fraction of steps whose first k drafts were all accepted.
 Results can be broken down by workload stage (the dataset rows' "stage", see `stages_by_row_id`).
@@ -21,17 +22,11 @@ Results can be broken down by workload stage (the dataset rows' "stage", see `st
 
 import json
 from dataclasses import dataclass, field
-from functools import singledispatch
 from pathlib import Path
 
 import torch
 
-from drafters.dflash import DFlashDrafter
-from drafters.dflash2 import DFlash2Drafter, chunked_topk
-from drafters.dspark import DSparkDrafter
-from drafters.eagle3 import Eagle3Drafter
-from drafters.mtp import MTPDrafter
-from trainer.batch import PackedBatch, pack
+from core.batch import PackedBatch, pack
 
 DRAFT_MODES = ("greedy", "sample")
 NO_STAGE = "unstaged"  # rows without a "stage" field (chat / prompt-response datasets)
@@ -204,59 +199,6 @@ def response_span(loss_mask_T: torch.Tensor) -> tuple[int, int]:
     return int(idx[0]), int(idx[-1]) + 1
 
 
-# --- the draft distribution q (teacher-forced on the row) -------------------------------------------------
-# Per drafter class, since drafters/*.py expose only greedy propose(); each is the drafter's serving-time
-# logits for its K slots with earlier slots fed the row's tokens, so that argmax(q) == propose() whenever the
-# earlier drafts equal the row (tests/trainer/test_evaluate.py checks it for every drafter).
-@singledispatch
-def draft_logits(drafter, batch: PackedBatch, head, anchors_N: torch.Tensor) -> torch.Tensor:
-    """Draft logits [N, K, V] over the target vocabulary (-inf outside a reduced draft vocabulary)."""
-    raise TypeError(f"{type(drafter).__name__}: no draft distribution for T > 0 sampled drafting; register one "
-                    "with trainer.evaluate.draft_logits.register, or use draft_mode='greedy'")
-
-
-@draft_logits.register
-def _(drafter: DFlashDrafter, batch, head, anchors_N):
-    return head.lm_head(drafter.block_hidden(batch, head, anchors_N)[:, 1:])
-
-
-@draft_logits.register
-def _(drafter: DSparkDrafter, batch, head, anchors_N):
-    return drafter.block_logits(batch, head, anchors_N)[0][:, drafter.first_slot:]
-
-
-@draft_logits.register
-def _(drafter: DFlash2Drafter, batch, head, anchors_N):
-    # The selector's distribution over its top-k candidates: unary logit + edge score from the previous token.
-    hidden_NKD = drafter.block_hidden(batch, head, anchors_N)[:, 1:]
-    N, K, _ = hidden_NKD.shape
-    values_MC, cand_MC = chunked_topk(hidden_NKD.flatten(0, 1), head.lm_head.weight, drafter.cfg.selector_top_k)
-    prev_NK = batch.input_ids_T[anchors_N[:, None] + torch.arange(K, device=anchors_N.device)]
-    scores_MC = values_MC + drafter.candidate_selector.transition_scores(
-        hidden_NKD.flatten(0, 1), prev_NK.flatten(), cand_MC).float()
-    out_MV = scores_MC.new_full((N * K, head.lm_head.weight.shape[0]), float("-inf"))
-    return out_MV.scatter_(1, cand_MC, scores_MC).view(N, K, -1)
-
-
-@draft_logits.register
-def _(drafter: Eagle3Drafter, batch, head, anchors_N):
-    pairs = drafter.pairs(batch)
-    chain_N = pairs.index_T[anchors_N]
-    order = torch.argsort(chain_N)
-    anchor_sorted_N = anchors_N[order]
-    teacher = lambda s, _: batch.input_ids_T[anchor_sorted_N + s]  # noqa: E731
-    normed = drafter.unroll(batch, head, pairs, chain_N[order], drafter.num_speculative_tokens, teacher)
-    draft_NKV = torch.stack([drafter.lm_head(x) for x in normed], 1)
-    out = draft_NKV.new_full((*draft_NKV.shape[:2], head.lm_head.weight.shape[0]), float("-inf"))
-    out[:, :, drafter.draft_ids] = draft_NKV  # draft id i is target id draft_ids[i] (d2t offsets)
-    return torch.empty_like(out).index_copy_(0, order, out)
-
-
-@draft_logits.register
-def _(drafter: MTPDrafter, batch, head, anchors_N):
-    return head.lm_head(drafter.unroll(batch, head, anchors_N, teacher_tokens=True)[0])
-
-
 # --- evaluation -------------------------------------------------------------------------------------------
 def target_tokens(sample_batch: PackedBatch, head, num_hidden_layers: int, start: int, end: int) -> list[int]:
     """The row's tokens with response positions [start, end) replaced by the target's own greedy choice there
@@ -285,7 +227,7 @@ def evaluate_sample(drafter, head, sample_batch: PackedBatch, counts: Acceptance
     anchors_N = torch.arange(start, stop - 1, device=sample_batch.input_ids_T.device)
     drafts_NK = drafter.propose(sample_batch, head, anchors_N)
     if temperature <= 0:
-        greedy = target_tokens(sample_batch, head, drafter.target.num_hidden_layers, start, end)
+        greedy = target_tokens(sample_batch, head, head.info.num_hidden_layers, start, end)
         row = sample_batch.input_ids_T.tolist()
         counts.response_positions += end - start
         counts.disagreements += sum(greedy[p] != row[p] for p in range(start, end))
@@ -293,8 +235,8 @@ def evaluate_sample(drafter, head, sample_batch: PackedBatch, counts: Acceptance
         return
     q_NKV = None
     if draft_mode == "sample":
-        q_NKV = torch.softmax(draft_logits(drafter, sample_batch, head, anchors_N).float() / temperature, -1)
-    last_TD = sample_batch.layers([drafter.target.num_hidden_layers])[:, 0]
+        q_NKV = torch.softmax(drafter.draft_logits(sample_batch, head, anchors_N).float() / temperature, -1)
+    last_TD = sample_batch.layers([head.info.num_hidden_layers])[:, 0]
     generator = torch.Generator().manual_seed(seed * 1_000_003 + sample_batch.row_ids[0])
     sampled_walk(drafts_NK.cpu(), None if q_NKV is None else q_NKV.cpu(), lambda i0, i1: head.logits(last_TD[i0:i1]).cpu(),
                  start, stop, end, temperature, counts, generator)

@@ -8,11 +8,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from feature_server.contract import FeatureSpec, TokenizedRow
-from feature_server.fp8 import dequantize_blockwise, quantize_blockwise
+from core.contract import FeatureSpec, TokenizedRow
+from core.fp8 import dequantize_blockwise, quantize_blockwise
+from core.target import TargetHead, TargetInfo
 from feature_server.hf_backend import HFBackend
 from launch.make_fp8 import make_fp8
-from trainer.target import TargetHead, TargetInfo
 
 BLOCK = 32
 

@@ -1,0 +1,37 @@
+"""Imports run one way (README.md "Layout"): each package imports only the packages below it, lazily or not."""
+
+import ast
+
+import pytest
+
+from tests.cli import REPO
+
+# package -> the repository packages it may import; launch/ and bench/ sit on top and may import any.
+ALLOWED = {
+    "core": set(),
+    "kernels": set(),
+    "drafters": {"core", "kernels"},
+    "feature_server": {"core"},
+    "evaluation": {"core", "drafters"},
+    "trainer": {"core", "kernels", "drafters", "feature_server", "evaluation"},
+}
+PACKAGES = {*ALLOWED, "launch", "bench"}
+
+
+def imported_packages(path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & PACKAGES
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_a_package_imports_only_the_packages_below_it(package):
+    files = sorted((REPO / package).rglob("*.py"))
+    assert files, f"{package}/ has no modules"
+    wrong = {f"{path.relative_to(REPO)} imports {sorted(bad)}"
+             for path in files if (bad := imported_packages(path) - ALLOWED[package] - {package})}
+    assert not wrong, f"{package}/ may import only {sorted(ALLOWED[package])}: {sorted(wrong)}"
