@@ -26,10 +26,12 @@ def shard_rows(rows: Sequence[TokenizedRow], shard: int, num_shards: int) -> lis
 
 
 class SampleLedger:
-    """Trainer-side bookkeeping: every row of this rank is pending, in flight (with one worker) or done."""
+    """Trainer-side bookkeeping of one stream (an epoch, a held-out set): every row of this rank is pending, in
+    flight (with one worker) or done. Workers echo the stream id with every sample, so a late copy of a row from an
+    earlier stream of the same server (its row ids recur every epoch) is dropped like any other duplicate."""
 
-    def __init__(self, spec: FeatureSpec, rows: Sequence[TokenizedRow]):
-        self.spec = spec
+    def __init__(self, spec: FeatureSpec, rows: Sequence[TokenizedRow], stream: int = 0):
+        self.spec, self.stream = spec, stream
         self.rows = {r.row_id: r for r in rows}
         self.pending = deque(r.row_id for r in rows)  # dataset order; reissued rows go to the front
         self.in_flight: dict[int, dict[int, None]] = {}  # worker -> row ids, in hand-out order
@@ -68,6 +70,9 @@ class SampleLedger:
         worker, row_id = msg.producer_id, msg.key
         if self.hidden_size is None:
             raise FeatureWorkerError(f"feature worker {worker}: row {row_id} arrived before any worker was ready")
+        if msg.info.get("stream", self.stream) != self.stream:  # extracted for an earlier stream, delivered late
+            self.duplicates_dropped += 1
+            return None
         if row_id not in self.rows:
             raise FeatureWorkerError(f"feature worker {worker}: row {row_id} is not in this rank's rows")
         if row_id in self.done:

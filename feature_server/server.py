@@ -7,6 +7,10 @@ skipping; ledger.py shard_rows), so torchrun ranks see disjoint data and a resum
 Within a rank, rows are handed out dynamically, a few at a time per worker, so a slow worker does not hold the
 others back.
 
+One server per run: the workers load the target once, then take stream after stream (`stream(rows)`: each epoch
+of training rows, the held-out rows) without restarting; an engine load of a large target happens once per worker
+and run, not per epoch. Iterating the server itself is the one-stream form: its `rows`, then the workers stop.
+
 Exactly once: the SampleLedger (ledger.py) knows every row as pending, in flight (handed to one worker) or done.
 A worker that dies (kill -9, OOM) has its in-flight rows put back at the front of the queue for the others, and a
 replacement is started while `max_worker_restarts` allows; a late copy of a row that is already done is dropped
@@ -35,8 +39,12 @@ from feature_server.worker import WorkerArgs, worker_main
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.5  # how often the trainer re-checks worker liveness while waiting for a sample
+_POLL_S = 0.5  # how often the trainer re-checks worker liveness (and cancel()) while waiting for a sample
 _JOIN_S = 30.0  # grace for finished workers to exit before they are terminated
+
+
+class StreamCancelled(Exception):
+    """cancel() was called while a stream waited for a sample."""
 
 
 class FeatureServer:
@@ -54,11 +62,15 @@ class FeatureServer:
     A worker silent for config.stall_timeout_s while the trainer waits (owing rows; config.load_timeout_s while
     still loading the target) is killed as hung, and treated as one that died.
 
+    rows: what iterating the server streams (one pass, then the workers stop); None for a server fed through
+        `stream()`, whose workers (one per device) live until close().
+
     Use as a context manager, or iterate to the end (or break out): workers are stopped, segments swept.
     Workers die with the thread that started them (PR_SET_PDEATHSIG), so start it from a long-lived thread.
     """
 
-    def __init__(self, target_dir: str, spec: FeatureSpec, rows: Sequence[TokenizedRow], config: FeatureServerConfig,
+    def __init__(self, target_dir: str, spec: FeatureSpec, rows: Sequence[TokenizedRow] | None,
+                 config: FeatureServerConfig,
                  *, devices: Sequence[str] | None = None, rank: int = 0, num_ranks: int = 1,
                  skip_row_ids: frozenset[int] = frozenset(), batch_rows: int = 1, shm_prefix: str | None = None,
                  max_worker_restarts: int = 3):
@@ -78,9 +90,9 @@ class FeatureServer:
                              f"({c.load_timeout_s}) must be positive")
         if len(devices) + max_worker_restarts > MAX_PRODUCERS:
             raise ValueError(f"workers + max_worker_restarts must be <= {MAX_PRODUCERS}")
-        _check_unique_ids(rows)
-        self.spec = spec
-        self.rows = [r for r in shard_rows(rows, rank, num_ranks) if r.row_id not in skip_row_ids]
+        self.spec, self.rank, self.num_ranks = spec, rank, num_ranks
+        self._one_shot = rows is not None
+        self.rows = self._mine(rows or (), skip_row_ids, sharded=True)
         self._capacity_bytes = max(1, int(c.capacity_mb * 2**20))
         self._shm_prefix = shm_prefix
         self._config, self._target_dir, self._batch_rows = c, str(target_dir), batch_rows
@@ -88,7 +100,12 @@ class FeatureServer:
         self._devices = devices
         self._prefetch = 2 * batch_rows
         self._restarts_left = max_worker_restarts
-        self._ledger = SampleLedger(spec, self.rows)
+        self._ledger = SampleLedger(spec, self.rows, stream=0)
+        self._streams = 0  # streams started; the current one's id
+        self._streaming = False
+        self._past = {"rows_reissued": 0, "duplicates_dropped": 0}  # of finished streams' ledgers
+        self._dims: dict | None = None  # (layers, hidden) the first worker reported; checked for every other
+        self._loads: dict[int, int] = {}  # worker slot -> target (engine) loads
         self._ctx = mp.get_context("spawn")  # fork would copy the trainer's threads/CUDA state into the workers
         self._procs: dict[int, mp.process.BaseProcess] = {}  # producer id -> process (live and dead)
         self._tasks: dict[int, object] = {}
@@ -105,17 +122,19 @@ class FeatureServer:
         self._per_worker: dict[int, dict] = {}
         self._counts = {"samples": 0, "tokens": 0, "bytes": 0, "trainer_wait_s": 0.0}
         self._next_id = 0
-        self._iterated = self._closed = False
+        self._closed = False
+        self._cancelled = False
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def start(self) -> None:
         if self._channel is not None:
             return
-        slots = min(len(self._devices), max(1, len(self.rows)))
+        # One-shot: no more workers than rows (none for none); a run's server: one per device, for every stream.
+        slots = min(len(self._devices), max(1, len(self.rows))) if self._one_shot else len(self._devices)
         self._channel = ShmChannel(self._capacity_bytes, prefix=self._shm_prefix, ctx=self._ctx, producers=slots)
         _LIVE.add(self)
         try:
-            if self.rows:
+            if self.rows or not self._one_shot:
                 for slot in range(slots):
                     self._spawn(slot)
         except BaseException:
@@ -124,14 +143,15 @@ class FeatureServer:
 
     def _spawn(self, slot: int) -> int:
         w, self._next_id = self._next_id, self._next_id + 1
-        tasks = self._ctx.Queue()
+        task_reader, tasks = self._ctx.Pipe(duplex=False)  # a pipe: no named semaphores (worker.py)
         c = self._config
         args = WorkerArgs(worker=w, backend=c.backend, target_dir=self._target_dir, spec=self.spec,
                           device=self._devices[slot], dtype=c.dtype, threads=c.threads_per_worker,
-                          batch_rows=self._batch_rows, parent_pid=self._parent_pid, tasks=tasks)
+                          batch_rows=self._batch_rows, parent_pid=self._parent_pid, tasks=task_reader)
         # Not daemonic: a vLLM backend spawns its own engine processes, which daemons may not do.
         p = self._ctx.Process(target=worker_main, args=(args, self._channel.producer(w)), name=f"feature-worker-{w}")
         p.start()
+        task_reader.close()  # the worker holds the read end now
         self._channel.started(w)
         self._procs[w], self._tasks[w], self._slot[w] = p, tasks, slot
         self._live.add(w)
@@ -143,6 +163,8 @@ class FeatureServer:
         """Stop workers (finished ones get a grace period) and sweep this server's shared-memory files."""
         if self._closed:
             return
+        if not self._one_shot and self._channel is not None and not self._streaming:
+            self._stop_workers()  # between streams: let them report done and exit
         self._closed = True
         for w, p in self._procs.items():
             if w in self._stopping:
@@ -159,6 +181,11 @@ class FeatureServer:
         if self._channel is not None:
             self._channel.close()
         _LIVE.discard(self)
+
+    def cancel(self) -> None:
+        """From another thread: a stream waiting for a sample raises StreamCancelled at its next poll (the
+        thread that iterates it then closes the server)."""
+        self._cancelled = True
 
     def __enter__(self):
         self.start()
@@ -183,11 +210,36 @@ class FeatureServer:
         return {w: self._procs[w].pid for w in sorted(self._live)}
 
     def __iter__(self) -> Iterator[FeatureSample]:
-        if self._iterated:
-            raise RuntimeError("a FeatureServer streams its rows once; build a new one to iterate again")
-        self._iterated = True
-        self.start()
+        """The one-stream form: this server's `rows` once, then the workers stop and the segments are swept."""
+        if not self._one_shot or self._streams:
+            raise RuntimeError("a FeatureServer built with rows streams them once; build it with rows=None and call "
+                               "stream(rows) for several passes")
         try:
+            yield from self._stream(self.rows)
+            self._stop_workers()
+        finally:
+            self.close()
+
+    def stream(self, rows: Sequence[TokenizedRow], skip_row_ids: frozenset[int] = frozenset(),
+               sharded: bool = True) -> Iterator[FeatureSample]:
+        """One pass over `rows` (an epoch, a held-out set): this rank's share (all of them with sharded=False),
+        minus skip_row_ids, each exactly once; the workers stay up for the next stream. One stream at a time."""
+        if self._one_shot:
+            raise RuntimeError("stream() is for servers built with rows=None; iterate this one")
+        return self._stream(self._mine(rows, skip_row_ids, sharded))
+
+    def _mine(self, rows, skip_row_ids, sharded: bool) -> list[TokenizedRow]:
+        _check_unique_ids(rows)
+        mine = shard_rows(rows, self.rank, self.num_ranks) if sharded else list(rows)
+        return [r for r in mine if r.row_id not in skip_row_ids]
+
+    def _stream(self, rows: list[TokenizedRow]) -> Iterator[FeatureSample]:
+        if self._streaming:
+            raise RuntimeError("a stream of this FeatureServer is still open; finish or close it first")
+        self._begin_stream(rows)
+        self._streaming = True
+        try:
+            self.start()
             self._dispatch()
             while not self._ledger.complete:
                 msg = self._next_message()
@@ -198,9 +250,17 @@ class FeatureServer:
                         yield sample
                 else:
                     self._on_control(msg)
-            self._stop_workers()
         finally:
-            self.close()
+            self._streaming = False
+
+    def _begin_stream(self, rows: list[TokenizedRow]) -> None:
+        if not self._one_shot:  # a new ledger per stream; the finished one's counts are kept
+            self._past["rows_reissued"] += self._ledger.reissued
+            self._past["duplicates_dropped"] += self._ledger.duplicates_dropped
+            self._ledger = SampleLedger(self.spec, rows, stream=self._streams)
+            if self._dims is not None:
+                self._ledger.ready(-1, self._dims)
+        self._streams += 1
 
     def stats(self) -> dict:
         per = self._per_worker.values()
@@ -210,8 +270,11 @@ class FeatureServer:
                 "backpressure_wait_s_sum": sum(s["blocked_s"] for s in per),
                 "workers_done": len(self._finished), "workers_died": len(self._died),
                 "workers_stalled": len(self._stalled),
-                "rows_reissued": self._ledger.reissued, "duplicates_dropped": self._ledger.duplicates_dropped,
-                "rows_lost": len(self._ledger.rows) - len(self._ledger.done),
+                "rows_reissued": self._past["rows_reissued"] + self._ledger.reissued,
+                "duplicates_dropped": self._past["duplicates_dropped"] + self._ledger.duplicates_dropped,
+                "rows_lost": len(self._ledger.rows) - len(self._ledger.done),  # of the current (or last) stream
+                "streams": self._streams, "engine_loads": sum(self._loads.values()),
+                "engine_loads_per_slot": dict(self._loads),
                 "per_worker": {w: dict(s) for w, s in self._per_worker.items()}}
 
     def _dispatch(self) -> None:
@@ -220,12 +283,18 @@ class FeatureServer:
             if want > 0 and self._ledger.pending:
                 if not self._ledger.outstanding(w):  # idle until now: its silence counts from here
                     self._heard[w] = time.monotonic()
-                self._tasks[w].put(tuple(self._ledger.assign(w, want)))
+                self._send_task(w, (self._ledger.stream, tuple(self._ledger.assign(w, want))))
+
+    def _send_task(self, w: int, task) -> None:
+        try:
+            self._tasks[w].send(task)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass  # it died: its rows are reissued when the liveness checks see its exit (_worker_died)
 
     def _stop_workers(self) -> None:
         """Every row is done: send the stop sentinel and collect the workers' final stats."""
         for w in self._live:
-            self._tasks[w].put(None)
+            self._send_task(w, None)
             self._stopping.add(w)
         deadline = time.monotonic() + _JOIN_S
         while self._live and time.monotonic() < deadline:
@@ -247,6 +316,8 @@ class FeatureServer:
                 try:
                     msg = self._channel.get(timeout=_POLL_S)
                 except queue.Empty:
+                    if self._cancelled:
+                        raise StreamCancelled()
                     self._check_liveness()
                     self._check_stalls(waiting_since)
                     continue
@@ -300,7 +371,7 @@ class FeatureServer:
         why = why or (f"feature worker {w} (pid {p.pid}) exited with code {p.exitcode} without reporting an error "
                       f"(killed, or out of memory?)")
         what = f"{why}; {len(reissued)} in-flight rows reissued"
-        if self._ledger.complete:  # died while being stopped: nothing is owed
+        if w in self._stopping or (self._one_shot and self._ledger.complete):  # nothing more is owed
             log.warning("%s after every row was delivered", what)
         elif self._restarts_left > 0:
             self._restarts_left -= 1
@@ -333,6 +404,9 @@ class FeatureServer:
         if msg.kind == "ready":
             self._loaded.add(w)
             self._ledger.ready(w, msg.info)
+            self._dims = {k: msg.info[k] for k in ("num_hidden_layers", "hidden_size")}
+            slot = self._slot[w]
+            self._loads[slot] = self._loads.get(slot, 0) + 1
             self._per_worker[w]["load_s"] = msg.info["load_s"]
         elif msg.kind == "done":
             self._ledger.finished(w)

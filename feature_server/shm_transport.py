@@ -229,7 +229,7 @@ class ShmProducer:
         self.prefix, self.producer_id, self._conn = channel.prefix, producer_id, conn
         self.ring_bytes, self.capacity_bytes = channel.ring_bytes, channel.capacity_bytes
         self._heads, self._tails, self._blocked = channel._heads, channel._tails, channel._blocked
-        self._reserved, self._released, self._freed = channel._reserved, channel._released, channel._freed
+        self._reserved, self._released = channel._reserved, channel._released
         self._ring: tuple[str, mmap.mmap, torch.Tensor] | None = None
         self._seq = 0
         self.blocked_seconds = 0.0  # time spent waiting for room
@@ -323,8 +323,10 @@ class ShmProducer:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise ChannelFull(why)
-                # Woken by the consumer freeing room; the poll bounds the wait if a wake-up went elsewhere.
-                self._freed.acquire(timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
+                # A poll, not a wake-up: a multiprocessing Semaphore is a named POSIX semaphore that a kill -9 of
+                # the run leaves in /dev/shm. A blocked producer means the trainer is the bottleneck, so the
+                # poll's latency (at most _POLL_S) costs nothing.
+                time.sleep(_POLL_S if remaining is None else min(_POLL_S, remaining))
         finally:
             self._blocked[self.producer_id] = 0
             self.blocked_seconds += time.monotonic() - t0
@@ -358,7 +360,6 @@ class ShmChannel:
         self._reserved = self._ctx.RawArray("q", MAX_PRODUCERS)  # oversized bytes ever reserved
         self._released = self._ctx.RawArray("q", MAX_PRODUCERS)  # oversized bytes ever taken by the consumer
         self._blocked = self._ctx.RawArray("b", MAX_PRODUCERS)
-        self._freed = self._ctx.Semaphore(0)
         self._readers: dict[int, object] = {}  # producer id -> read end of its control pipe
         self._writers: dict[int, object] = {}  # our copies of the write ends, until the producer has started
         self._local: dict[int, ShmProducer] = {}
@@ -435,7 +436,6 @@ class ShmChannel:
         finally:
             _unlink_quietly(path)
             self._released[pid] += msg["nbytes"]
-            self._wake()
         return Received("data", pid, msg["key"], msg["info"], tensors, msg["nbytes"])
 
     def _take_ring(self, pid: int, msg: dict) -> dict[str, torch.Tensor]:
@@ -459,18 +459,12 @@ class ShmChannel:
         try:
             for pid, ring in list(self._rings.items()):
                 self._tails[pid] = ring.tail()
-            self._wake()
         finally:
             self._advancing = False
-
-    def _wake(self) -> None:
-        for _ in range(sum(self._blocked)):
-            self._freed.release()
 
     def release_producer(self, producer_id: int) -> None:
         """A producer died: return the oversized capacity it reserved but never delivered."""
         self._released[producer_id] = self._reserved[producer_id]
-        self._wake()
 
     def bytes_in_flight(self) -> int:
         """Ring bytes written and not yet free again, plus oversized bytes in flight."""

@@ -1,9 +1,11 @@
 """The feature worker process: build the target backend, prefill the rows handed to it, publish the samples.
 
-One spawned process per worker (feature_server/server.py starts and supervises them). It reports "ready" once
-the target is loaded, then takes tuples of rows from its task queue until the stop sentinel (None), sending each
-row's tensors through its ShmProducer and "done" at the end; an exception is reported as "error" with the rows
-it was working on. It dies with the trainer (PR_SET_PDEATHSIG) and runs in its own process group, so whatever it
+One spawned process per worker (feature_server/server.py starts and supervises them). It loads the target once
+and reports "ready", then takes (stream id, rows) tasks from its pipe, stream after stream (epochs, held-out sets),
+until the stop sentinel (None), sending each row's tensors through its ShmProducer with the stream id, and "done"
+at the end; an exception is reported as "error" with the rows it was working on. Tasks come through a plain pipe,
+not a multiprocessing Queue: a Queue's locks are named POSIX semaphores (/dev/shm/sem.mp-*), which a kill -9 of
+the run would leave behind. It dies with the trainer (PR_SET_PDEATHSIG) and runs in its own process group, so whatever it
 starts (a vLLM engine) can be killed with it.
 """
 
@@ -36,7 +38,7 @@ class WorkerArgs:
     threads: int
     batch_rows: int
     parent_pid: int  # the trainer process: the worker exits when it dies
-    tasks: object  # multiprocessing Queue of row tuples; None = stop
+    tasks: object  # read end of a pipe: (stream id, row tuple) tasks; None = stop
 
 
 class _Terminated(BaseException):
@@ -67,16 +69,18 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
         channel.send("ready", info={"num_hidden_layers": backend.num_hidden_layers,
                                                    "hidden_size": backend.hidden_size,
                                                    "load_s": time.perf_counter() - t0})
-        while (task := args.tasks.get()) is not None:
-            for start in range(0, len(task), args.batch_rows):
-                batch = task[start: start + args.batch_rows]
+        while (task := _next_task(args.tasks)) is not None:
+            stream, rows = task
+            for start in range(0, len(rows), args.batch_rows):
+                batch = rows[start: start + args.batch_rows]
                 t0 = time.perf_counter()
                 hiddens = backend.extract(list(batch))
                 dt = time.perf_counter() - t0
                 if len(hiddens) != len(batch):
                     raise RuntimeError(f"backend returned {len(hiddens)} hidden states for {len(batch)} rows")
                 for row, hidden_TLD in zip(batch, hiddens):
-                    channel.put(row.row_id, _sample_tensors(row, hidden_TLD), info={"extract_s": dt / len(batch)})
+                    channel.put(row.row_id, _sample_tensors(row, hidden_TLD),
+                                info={"extract_s": dt / len(batch), "stream": stream})
             batch = []
         channel.send("done", info={"blocked_s": channel.blocked_seconds})
     except _Terminated:
@@ -96,6 +100,14 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
         if backend is not None:
             backend.close()
     channel.close()  # flush the control queue before the process exits
+
+
+def _next_task(tasks):
+    """The next (stream id, rows) task; None to stop, also when the server's end of the pipe is gone."""
+    try:
+        return tasks.recv()
+    except EOFError:
+        return None
 
 
 def _pin_gpu(device: str) -> str:

@@ -118,34 +118,76 @@ def _run_files(run_dir: Path) -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"specdistill_{key}_"))
 
 
+def _semaphores() -> set[str]:
+    """Named POSIX semaphores (multiprocessing's sem.mp-*, anyone's): a run must not add any that outlive it."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith("sem.")}
+
+
 @pytest.mark.slow
-def test_no_shared_memory_left_after_a_normal_end_or_a_kill_9_of_the_trainer(tmp_path, cache_dir, tiny_target):
+def test_no_shared_memory_left_after_a_normal_end_or_a_kill_9_and_resume(tmp_path, cache_dir, tiny_target):
+    """Nothing of a run stays in /dev/shm, semaphores included: after a normal end, and after a kill -9 of the
+    run's process group (no handler, no atexit, no finally) followed by a resume that finishes the run. Before
+    one server per run, each such kill left 4 semaphores (a worker's task Queue and the channel's wake-up)."""
     import psutil
 
     tiny_target("tiny-llama")
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    semaphores_before = _semaphores()
     run_dir = tmp_path / "normal"
     run_train(["target=tiny-llama", *SMALL, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
     assert _run_files(run_dir) == []
 
     run_dir = tmp_path / "killed"
     args = [a for a in SMALL if not a.startswith("trainer.token_budget")]
-    cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", *args, "trainer.token_budget=256",
-           "trainer.max_steps=200", "feature_server.workers=2", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["target=tiny-llama", *args, "trainer.token_budget=256", "feature_server.workers=2",
+            f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "launch.train", *args, "trainer.max_steps=200"]
+    # Its own process group, killed whole (multiprocessing's resource tracker too, which would otherwise unlink
+    # leaked semaphores once the trainer is gone): as a scheduler or an OOM killer ends a job.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while not RunDir(run_dir).train_log.is_file() or not _run_files(run_dir):  # mid-run, rings in use
+        while RunDir(run_dir).latest_checkpoint() is None:  # mid-run: workers extracting ahead of the step
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         workers = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGKILL)  # the trainer: no handler, no atexit, no finally runs
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(60)
         psutil.wait_procs(workers, timeout=60)  # they die with it (PR_SET_PDEATHSIG) and sweep on the way out
     finally:
         proc.kill()
     assert all(not w.is_running() or w.status() == psutil.STATUS_ZOMBIE for w in workers)
     assert _run_files(run_dir) == []
+    second = run_train([*args, "trainer.max_steps=4"], cache_dir)
+    assert "resumed from" in second.stdout + second.stderr
+    metrics = json.loads(RunDir(run_dir).metrics.read_text())
+    assert metrics["steps"] == 4 and metrics["samples_lost"] == metrics["samples_duplicated"] == 0
+    assert _run_files(run_dir) == [] and _semaphores() - semaphores_before == set()
+
+
+@pytest.mark.slow
+def test_epochs_share_one_server_and_a_resume_at_an_epoch_boundary_loses_nothing(tmp_path, cache_dir, tiny_target):
+    """One feature server per run: three epochs load the target once per worker. A run stopped right after an
+    epoch's last step (its end not yet counted) resumes at the boundary: 0 lost, 0 twice, the epochs complete."""
+    tiny_target("tiny-llama")
+    args = [a for a in SMALL if not a.startswith(("trainer.token_budget", "trainer.checkpoint_every"))]
+    args = ["target=tiny-llama", *args, "trainer.token_budget=256", "trainer.checkpoint_every=100",
+            "trainer.eval_every=0"]
+    one_epoch = tmp_path / "one-epoch"  # one worker: rows arrive in dataset order, so every epoch packs alike
+    run_train([*args, "trainer.max_epochs=1", "trainer.max_steps=1000", f"hydra.run.dir={one_epoch}"], cache_dir)
+    per_epoch = json.loads(RunDir(one_epoch).metrics.read_text())["steps"]
+
+    run_dir = tmp_path / "boundary"
+    run_train([*args, f"trainer.max_steps={per_epoch}", f"hydra.run.dir={run_dir}"], cache_dir)
+    at_boundary = json.loads(RunDir(run_dir).metrics.read_text())
+    assert at_boundary["epochs_completed"] == 0 and at_boundary["engine_loads_per_worker"] == 1
+    run_train([*args, "trainer.max_steps=1000", "trainer.max_epochs=3", f"hydra.run.dir={run_dir}"], cache_dir)
+    metrics = json.loads(RunDir(run_dir).metrics.read_text())
+    assert metrics["steps"] == 3 * per_epoch and metrics["epochs_completed"] == 3
+    assert metrics["samples_lost"] == 0 and metrics["samples_duplicated"] == 0
+    assert metrics["engine_loads_per_worker"] == 1  # the resumed process: epochs 1 and 2 on one load
+    assert metrics["feature_workers_died"] == 0
 
 
 @pytest.mark.slow

@@ -74,3 +74,22 @@ def torchrun_sizes(ranks: int, workers: int, local_world_size: int | None, expli
     if "feature_server.workers" not in explicit and ranks >= 1 and workers % ranks:
         workers = ranks * -(-workers // ranks)
     return ranks, workers
+
+
+def cpu_threads(configured: int | None, trainer_device: str, ranks: int, worker_devices: tuple[tuple[str, ...], ...],
+                threads_per_worker: int, cores: int | None = None) -> int | None:
+    """CPU threads per trainer rank (None: leave torch's default, which a CUDA rank barely uses).
+
+    On CPU the node's cores are shared with the CPU feature workers: a trainer rank whose OpenMP threads outnumber
+    the cores left to it runs every parallel op at the pace of its preempted thread (measured on 2 cores: a 2-layer
+    DFlash step 2.7 s with 1 thread, 9 s with 2 threads beside a busy worker; docs/scaling.md). So each rank gets
+    (cores - CPU worker threads) // ranks, at least 1, unless trainer.threads says otherwise."""
+    if configured is not None:
+        if configured < 1:
+            raise ValueError(f"trainer.threads={configured}: need >= 1 (or leave it unset)")
+        return configured
+    if trainer_device != "cpu":
+        return None
+    cores = cores or len(os.sched_getaffinity(0))
+    worker_threads = threads_per_worker * sum(d == "cpu" for devices in worker_devices for d in devices)
+    return max(1, (cores - worker_threads) // ranks)

@@ -1,7 +1,8 @@
 """The training loop: features stream in from the target workers, packs go through the drafter.
 
-Read `train()` top to bottom: resume -> epochs of (feature server -> packs -> steps) -> export ->
-offline evaluation -> metrics.json. `_step()` is the whole training step.
+Read `train()` top to bottom: resume -> the feature feed (one feature server for the run, packing ahead of the
+step: trainer/feed.py) -> steps, epoch after epoch -> export -> offline evaluation -> metrics.json. `_step()` is
+the whole training step.
 """
 
 import hashlib
@@ -12,11 +13,12 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import psutil
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from core.batch import PackedBatch, pack_stream
+from core.batch import PackedBatch
 from core.run_dir import RunDir
 from core.target import TargetHead, TargetInfo
 from drafters import build_drafter
@@ -24,11 +26,12 @@ from feature_server.config import FeatureServerConfig
 from feature_server.dataset import check_tokenizer_matches, load_rows
 from feature_server.ledger import shard_rows
 from feature_server.server import FeatureServer
-from trainer.layout import cuda_device_count, plan_node
+from trainer.layout import cpu_threads, cuda_device_count, plan_node
 from trainer import distributed, parallel
 from trainer.ablation import ablate, ablate_hidden, check_ablation
 from trainer.checkpoint import SUMMED_OVER_RANKS, TrainState, load_checkpoint, rank_entry, save_checkpoint
 from trainer.config import TrainerConfig
+from trainer.feed import EpochEnd, FeatureFeed
 from evaluation.acceptance import stages_by_row_id
 from trainer.metrics import StepMetrics
 from trainer.optim import Optimizers
@@ -45,6 +48,8 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, drafter_cfg, trainer_cfg: TrainerConfig, server_cfg: FeatureServerConfig, run_dir: Path,
                  target_dir: Path, train_path: Path, heldout_path: Path | None, resolved_config: dict | None = None):
+        self.launched = psutil.Process().create_time()  # first_step_seconds: this process's launch to its first step
+        self.first_step_seconds: float | None = None
         self.cfg, self.server_cfg, self.run = trainer_cfg, server_cfg, RunDir(run_dir)
         self.layout = plan_node(trainer_cfg.ranks, server_cfg.workers, trainer_cfg.device, server_cfg.device,
                                 cuda_device_count())
@@ -59,6 +64,11 @@ class Trainer:
                              f"trainer.ranks=<torchrun --nproc-per-node>")
         parallel.check_mode(trainer_cfg.parallel)
         self.dist = distributed.init_distributed(trainer_cfg.device, trainer_cfg.collective_timeout_s)
+        threads = cpu_threads(trainer_cfg.threads, self.dist.device.type, trainer_cfg.ranks, self.layout.worker_devices,
+                              server_cfg.threads_per_worker)
+        if threads is not None:
+            torch.set_num_threads(threads)
+            log.info("trainer rank %d: %d CPU threads (trainer.threads)", self.dist.rank, threads)
         torch.manual_seed(trainer_cfg.seed)
         self.target = TargetInfo.load(target_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
@@ -107,26 +117,28 @@ class Trainer:
 
     def _train(self) -> dict:
         state = self._resume()
-        self.validator = self._make_validator()
-        bar = tqdm(total=self.cfg.max_steps, initial=state.step, disable=not (self.cfg.progress and self.dist.is_main),
-                   desc=f"train {self.meta['drafter']}", unit="step")
-        if self.eval_every and not self.validation.curve:
-            self._validate(state)  # step 0: the untrained (or, for MTP, the target's own) drafter, the curve's origin
-        steps = self._step_groups(state)
+        heldout, probe = self._eval_rows()
+        self.feed = self._make_feed(state, heldout + probe)
         try:
-            self._loop(state, steps, bar)
+            self.validator = self._make_validator(heldout, probe)
+            bar = tqdm(total=self.cfg.max_steps, initial=state.step,
+                       disable=not (self.cfg.progress and self.dist.is_main), desc=f"train {self.meta['drafter']}",
+                       unit="step")
+            if self.eval_every and not self.validation.curve:
+                self._validate(state)  # step 0: the untrained (or, for MTP, the target's own) drafter, the origin
+            self._loop(state, bar)
+            bar.close()
         finally:
-            steps.close()  # ends the epoch in progress (on errors too): its feature server stops, its counts are kept
-        bar.close()
+            self._close_feed(state)  # on errors too: its workers stop, its counts are kept
         if self._curve_ends_before(state.step):
             self._validate(state)  # the final weights are candidates for the export too
         self._save(state)
         return self._finish(state)
 
-    def _loop(self, state: TrainState, steps, bar) -> None:
+    def _loop(self, state: TrainState, bar) -> None:
         while state.step < self.cfg.max_steps:
             waited = time.perf_counter()
-            micro = next(steps, None)
+            micro = self._next_step_packs(state)
             state.feature_wait_seconds += time.perf_counter() - waited
             # Ranks pack their own shards, so one may run out of epochs (max_epochs) a step or two before the
             # others; they stop together, or the others would wait forever in the gradient all-reduce.
@@ -135,6 +147,8 @@ class Trainer:
                          self.cfg.max_epochs)
                 break
             self._step(micro, state)
+            if self.first_step_seconds is None:
+                self.first_step_seconds = time.time() - self.launched
             bar.update(1)
             train_tau = self.window.tau_estimate  # before _log starts a new window
             if state.step % self.cfg.log_every == 0:
@@ -145,34 +159,45 @@ class Trainer:
             if state.step % self.cfg.checkpoint_every == 0:
                 self._save(state)
 
-    def _step_groups(self, state: TrainState):
-        """This rank's optimizer steps' worth of packs (trainer.grad_accum each), epoch after epoch, one feature
-        server per epoch over the rows not yet trained on this epoch (all of them, unless resumed mid-epoch)."""
-        while state.epoch < self.cfg.max_epochs:
-            finished = False
-            with self._server(self.rows, skip=state.consumed_row_ids) as server:
-                try:
-                    yield from _grouped(pack_stream(server, self.cfg.token_budget, self.spec.layer_ids),
-                                        self.cfg.grad_accum)
-                    finished = True
-                finally:
-                    self._count_delivery(server, state, epoch_done=finished)
-            state.epoch += 1
-            state.consumed_row_ids.clear()
+    def _make_feed(self, state: TrainState, eval_rows: list) -> FeatureFeed:
+        """The run's feature feed, from where a resumed run stopped (its epoch, minus the rows trained on)."""
+        return FeatureFeed(self._run_server, self.rows, token_budget=self.cfg.token_budget,
+                           layer_ids=self.spec.layer_ids, grad_accum=self.cfg.grad_accum,
+                           prefetch=self.cfg.prefetch_steps, max_epochs=self.cfg.max_epochs, start_epoch=state.epoch,
+                           skip_row_ids=frozenset(state.consumed_row_ids), eval_rows=eval_rows).start()
 
-    def _count_delivery(self, server: FeatureServer, state: TrainState, epoch_done: bool) -> None:
-        stats = server.stats()
-        state.feature_seconds += stats["extract_wall_s_sum"]
-        state.rows_reissued += stats["rows_reissued"]
-        state.duplicate_deliveries_dropped += stats["duplicates_dropped"]
-        state.feature_workers_died += stats["workers_died"]
-        if epoch_done:  # every row of this rank must have been trained on exactly once by now
-            mine = {r.row_id for r in shard_rows(self.rows, self.dist.rank, self.dist.world_size)}
-            lost = mine - state.consumed_row_ids
-            if lost:
-                log.error("epoch %d: %d rows never reached the trainer, e.g. %s", state.epoch, len(lost),
-                          sorted(lost)[:10])
-            state.samples_lost += len(lost)
+    def _next_step_packs(self, state: TrainState) -> "list[PackedBatch] | None":
+        """The next optimizer step's packs (trainer.grad_accum of them); None once max_epochs are done."""
+        while isinstance(item := self.feed.next(), EpochEnd):
+            self._end_epoch(state, item)
+        return item
+
+    def _end_epoch(self, state: TrainState, end: EpochEnd) -> None:
+        self._add_delivery_counts(state, end.counts)
+        # Every row of this rank must have been trained on exactly once by now.
+        mine = {r.row_id for r in shard_rows(self.rows, self.dist.rank, self.dist.world_size)}
+        lost = mine - state.consumed_row_ids
+        if lost:
+            log.error("epoch %d: %d rows never reached the trainer, e.g. %s", state.epoch, len(lost), sorted(lost)[:10])
+        state.samples_lost += len(lost)
+        state.epoch += 1
+        state.consumed_row_ids.clear()
+
+    def _close_feed(self, state: TrainState) -> None:
+        self.feed.close()
+        self._add_delivery_counts(state, self.feed.final_counts)  # the epoch in progress, if the run stopped in it
+        stats = self.feed.server_stats
+        slots = max(1, len(stats.get("engine_loads_per_slot", {})))
+        self.engine_loads_per_worker = stats.get("engine_loads", 0) / slots
+
+    @staticmethod
+    def _add_delivery_counts(state: TrainState, counts: dict) -> None:
+        if not counts:
+            return
+        state.feature_seconds += counts["extract_wall_s_sum"]
+        state.rows_reissued += int(counts["rows_reissued"])
+        state.duplicate_deliveries_dropped += int(counts["duplicates_dropped"])
+        state.feature_workers_died += int(counts["workers_died"])
 
     def _step(self, micro: "PackedBatch | list[PackedBatch]", state: TrainState) -> None:
         """One optimizer step over `trainer.grad_accum` packs (micro-batches): the mean of their losses, so
@@ -227,11 +252,17 @@ class Trainer:
 
     # --- pieces ----------------------------------------------------------------------------------
     def _server(self, rows, skip=frozenset(), sharded: bool = True) -> FeatureServer:
-        """Workers over this rank's shard of `rows` (sharded=False: all of them, for rank-0 evaluation)."""
+        """A one-pass server over this rank's shard of `rows` (sharded=False: all of them), for tools and tests."""
         rank, num_ranks = (self.dist.rank, self.dist.world_size) if sharded else (0, 1)
         return FeatureServer(self.target.path, self.spec, rows, self.server_cfg,
                              devices=self.layout.worker_devices[self.dist.local_rank], rank=rank, num_ranks=num_ranks,
                              skip_row_ids=frozenset(skip), shm_prefix=self.shm_prefix)
+
+    def _run_server(self) -> FeatureServer:
+        """The run's server (this rank's workers, fed stream after stream by trainer/feed.py)."""
+        return FeatureServer(self.target.path, self.spec, None, self.server_cfg,
+                             devices=self.layout.worker_devices[self.dist.local_rank], rank=self.dist.rank,
+                             num_ranks=self.dist.world_size, shm_prefix=self.shm_prefix)
 
     def _resume(self) -> TrainState:
         path = self.run.latest_checkpoint()
@@ -270,29 +301,30 @@ class Trainer:
         self.window = StepMetrics(self.drafter.num_speculative_tokens)
 
     # --- validation --------------------------------------------------------------------------------
-    def _make_validator(self) -> Validator | None:
-        """Rank 0: the held-out rows and as many training rows, extracted once (one feature server, before the
-        first epoch's) and kept for every evaluation."""
+    def _eval_rows(self) -> tuple[list, list]:
+        """Rank 0's held-out rows and as many training rows (the probe, with ids moved past any file's line count
+        so one stream can carry both), extracted once by the feed before the first epoch."""
         if not self.dist.is_main:
-            return None
+            return [], []
         heldout = self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows
         if not heldout:
             log.warning("no held-out rows: tau_offline and the held-out curve are not measured")
+            return [], []
+        return heldout, [replace(r, row_id=PROBE_ROW_OFFSET + r.row_id) for r in self.rows[: len(heldout)]]
+
+    def _make_validator(self, heldout: list, probe: list) -> Validator | None:
+        """Rank 0: the held-out and probe samples (kept for every evaluation), as trained (ablation applied)."""
+        if not heldout:
             return None
-        probe = [replace(r, row_id=PROBE_ROW_OFFSET + r.row_id) for r in self.rows[: len(heldout)]]
         held, probed = [], []
         ablation_rng = torch.Generator().manual_seed(self.cfg.seed)  # evaluated on what it was trained on
-        with self._server(heldout + probe, sharded=False) as server:
-            for s in server:  # cloned: holding views would pin the worker's ring
-                hidden = ablate_hidden(s.hidden_TLD.clone(), self.spec.layer_ids, self.cfg.feature_ablation,
-                                       self.input_layer_ids, ablation_rng)
-                own = replace(s, input_ids_T=s.input_ids_T.clone(), loss_mask_T=s.loss_mask_T.clone(), hidden_TLD=hidden)
-                if own.row_id >= PROBE_ROW_OFFSET:
-                    probed.append(replace(own, row_id=own.row_id - PROBE_ROW_OFFSET))
-                else:
-                    held.append(own)
-        held.sort(key=lambda s: s.row_id)
-        probed.sort(key=lambda s: s.row_id)
+        for s in sorted(self.feed.eval_samples(), key=lambda s: s.row_id):
+            hidden = ablate_hidden(s.hidden_TLD, self.spec.layer_ids, self.cfg.feature_ablation,
+                                   self.input_layer_ids, ablation_rng)
+            if s.row_id >= PROBE_ROW_OFFSET:
+                probed.append(replace(s, row_id=s.row_id - PROBE_ROW_OFFSET, hidden_TLD=hidden))
+            else:
+                held.append(replace(s, hidden_TLD=hidden))
         return Validator(held, probed, self.spec.layer_ids, self.dist.device, self.validation,
                          stages_by_row_id(self.heldout_path))
 
@@ -363,6 +395,9 @@ class Trainer:
                 "num_speculative_tokens": self.drafter.num_speculative_tokens,
                 "feature_extraction_seconds": state.feature_seconds,
                 "feature_wait_seconds": state.feature_wait_seconds,
+                "feature_wait_fraction": _wait_fraction(state, self.dist.world_size),
+                "first_step_seconds": self.first_step_seconds,
+                "engine_loads_per_worker": self.engine_loads_per_worker,
                 "samples_duplicated": state.samples_duplicated,
                 "samples_lost": state.samples_lost,
                 "rows_reissued": state.rows_reissued,
@@ -408,16 +443,11 @@ class Trainer:
         return drafter.to(self.dist.device)
 
 
-def _grouped(packs, n: int):
-    """Lists of n consecutive packs (the last one of an epoch may be shorter)."""
-    group = []
-    for pack in packs:
-        group.append(pack)
-        if len(group) == n:
-            yield group
-            group = []
-    if group:
-        yield group
+def _wait_fraction(state: TrainState, world_size: int) -> float:
+    """Share of the training loop's time a rank spent waiting for features (the wait is summed over ranks, the
+    training time is wall-clock)."""
+    wait = state.feature_wait_seconds / world_size
+    return wait / max(1e-9, state.train_seconds + wait)
 
 
 def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, token_budget: int, spec,

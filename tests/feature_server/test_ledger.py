@@ -62,3 +62,18 @@ def test_ledger_reissues_a_dead_workers_rows_and_drops_late_duplicates():
     assert ledger.complete and ledger.reissued == 1
     assert ledger.accept(_received(rows[1], 0)) is None  # the dead worker's late copy
     assert ledger.duplicates_dropped == 1 and len(ledger.done) == 4
+
+
+def test_a_late_copy_from_an_earlier_stream_is_dropped_not_delivered():
+    """Row ids recur every epoch of a run's server: a copy extracted for stream 0 that arrives during stream 1 is
+    a duplicate of stream 0's delivery, never stream 1's sample."""
+    rows = make_rows(2)
+    ledger = SampleLedger(SPEC, rows, stream=1)
+    ledger.ready(0, {"num_hidden_layers": LAYERS, "hidden_size": HIDDEN})
+    ledger.assign(0, 2)
+    stale = _received(rows[0], 0)
+    stale.info["stream"] = 0
+    assert ledger.accept(stale) is None and ledger.duplicates_dropped == 1 and not ledger.done
+    current = _received(rows[0], 0)
+    current.info["stream"] = 1
+    assert ledger.accept(current) is not None and ledger.done == {rows[0].row_id}

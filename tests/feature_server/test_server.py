@@ -204,3 +204,54 @@ def test_argument_errors(target):
         FeatureServer(target, SPEC, rows, cfg(), devices=[])
     with pytest.raises(ValueError, match="feature_server.capacity_mb"):
         FeatureServer(target, SPEC, rows, cfg(capacity_mb=0))
+
+
+def _stream_ids(server, rows, **kwargs) -> list[int]:
+    got = [s.row_id for s in server.stream(rows, **kwargs)]
+    assert len(got) == len(set(got)), f"a row arrived twice in one stream: {got}"
+    return got
+
+
+@pytest.mark.slow  # two spawned workers: ~15 s on 2 cores
+def test_one_server_streams_epoch_after_epoch_with_one_target_load_per_worker(target, request):
+    """A run's server (rows=None): three epochs, a resumed epoch (skips) and an epoch with fewer rows than workers
+    all go through the same two workers, which load the target once; nothing lost, nothing twice."""
+    rows = make_rows(9)
+    prefix = _prefix(request)
+    with FeatureServer(target, SPEC, None, cfg(workers=2), shm_prefix=prefix) as server:
+        for _ in range(3):
+            assert sorted(_stream_ids(server, rows)) == sorted(r.row_id for r in rows)
+        skip = frozenset(r.row_id for r in rows[:7])
+        assert sorted(_stream_ids(server, rows, skip_row_ids=skip)) == sorted(r.row_id for r in rows[7:])
+        assert _stream_ids(server, rows, skip_row_ids=frozenset(r.row_id for r in rows)) == []  # an epoch already done
+        assert sorted(_stream_ids(server, rows[:1])) == [rows[0].row_id]  # one row, two workers
+        stats = server.stats()
+    assert stats["streams"] == 6 and stats["engine_loads"] == 2 and stats["engine_loads_per_slot"] == {0: 1, 1: 1}
+    assert stats["samples"] == 3 * 9 + 2 + 1
+    assert (stats["rows_reissued"], stats["duplicates_dropped"], stats["workers_died"]) == (0, 0, 0)
+    assert server.stats()["workers_done"] == 2  # stopped politely at close, between streams
+    assert segment_paths(prefix) == []
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_between_epochs_is_replaced_and_the_next_epoch_completes(target, request):
+    rows = make_rows(6)
+    prefix = _prefix(request)
+    with FeatureServer(target, SPEC, None, cfg(workers=2), shm_prefix=prefix, max_worker_restarts=1) as server:
+        assert len(_stream_ids(server, rows)) == 6
+        os.kill(server.worker_pids()[0], signal.SIGKILL)  # idle, owing nothing
+        assert sorted(_stream_ids(server, rows)) == sorted(r.row_id for r in rows)
+        stats = server.stats()
+    assert stats["workers_died"] == 1 and len(stats["per_worker"]) == 3  # a replacement took its slot
+    # Rows handed to it before its death was noticed are reissued, never delivered twice.
+    assert stats["duplicates_dropped"] == 0 and stats["rows_reissued"] <= 2
+    assert segment_paths(prefix) == []
+
+
+def test_stream_is_for_run_servers_and_one_at_a_time(target):
+    rows = make_rows(2)
+    with pytest.raises(RuntimeError, match="rows=None"):
+        FeatureServer(target, SPEC, rows, cfg()).stream(rows)
+    server = FeatureServer(target, SPEC, None, cfg())
+    with pytest.raises(RuntimeError, match="build it with rows=None"):
+        iter(server).__next__()
