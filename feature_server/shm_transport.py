@@ -13,6 +13,11 @@ Design (why each choice):
   name/dtype/shape/offset/nbytes, small scalar info). `put` refuses anything else, so a tensor can never be
   pickled through it by accident. Per-producer pipes and single-writer counters (no shared lock or queue) mean a
   producer killed mid-message can only break its own stream, which then reads as end-of-stream.
+- Writes in place: `reserve` sets a region aside (room waited for as in `put`) and hands out writable views of it
+  plus a `location` a process of the producer's own (a vLLM engine it started) can write through (RegionWriter:
+  /proc/<producer pid>/fd/<fd>, since the ring's name is gone once the consumer has mapped it); `publish` then sends
+  the control message only. `put` is reserve + one copy + publish. Ring reservations are published in the order
+  they were made (the consumer frees regions in ring order); one never published is skipped.
 - Capacity: `capacity_bytes` is split into one ring per expected producer. A producer blocks while its ring has
   no room (backpressure); an oversized payload waits while other oversized bytes would exceed the capacity.
 - Cleanup: every file name is `<prefix>-...` with a per-run prefix. The consumer unlinks a ring's name as soon as
@@ -37,6 +42,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 
@@ -94,7 +100,7 @@ def check_metadata_only(obj, where: str = "message") -> None:
 
 
 def segment_paths(prefix: str) -> list[str]:
-    """The /dev/shm files (rings, oversized segments, vLLM hand-off dirs) currently named with this prefix."""
+    """The /dev/shm files (rings, oversized segments) currently named with this prefix."""
     return sorted(glob.glob(os.path.join(SHM_DIR, f"{prefix}-*")))
 
 
@@ -113,43 +119,53 @@ def sweep_segments(prefix: str) -> int:
     return removed
 
 
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]  # field name -> (dtype, shape), in write order
+
+
 def _layout(tensors: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
+    return _layout_of({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
+
+
+def _layout_of(layout: Layout) -> tuple[list[dict], int]:
+    """Per-field name/dtype/shape/offset/nbytes (offsets _ALIGN-aligned) and the payload's size in bytes."""
     fields, offset = [], 0
-    for name, t in tensors.items():
-        dtype = str(t.dtype).removeprefix("torch.")
+    for name, (torch_dtype, shape) in layout.items():
+        dtype = str(torch_dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
-            raise TypeError(f"field {name!r}: dtype {t.dtype} not supported, expected one of {sorted(_DTYPES)}")
-        nbytes = t.numel() * t.element_size()
-        fields.append({"name": name, "dtype": dtype, "shape": tuple(t.shape), "offset": offset, "nbytes": nbytes})
+            raise TypeError(f"field {name!r}: dtype {torch_dtype} not supported, expected one of {sorted(_DTYPES)}")
+        shape = tuple(int(n) for n in shape)
+        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+        fields.append({"name": name, "dtype": dtype, "shape": shape, "offset": offset, "nbytes": nbytes})
         offset += math.ceil(nbytes / _ALIGN) * _ALIGN
     return fields, max(offset, _ALIGN)  # tmpfs cannot mmap an empty file
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Flat uint8 view of a CPU tensor (bf16 and bool included: only the element size matters)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _write_fields(dst_P: torch.Tensor, tensors: dict[str, torch.Tensor], fields: list[dict]) -> None:
+def _field_views(region_P: torch.Tensor, fields: list[dict]) -> dict[str, torch.Tensor]:
+    """Writable typed tensors over a uint8 region (offsets are aligned, so every dtype view is legal)."""
+    out = {}
     for f in fields:
-        if f["nbytes"]:
-            dst_P[f["offset"]: f["offset"] + f["nbytes"]].copy_(_as_bytes(tensors[f["name"]]))
+        dtype, shape = _DTYPES[f["dtype"]], tuple(f["shape"])
+        if not f["nbytes"]:
+            out[f["name"]] = torch.empty(shape, dtype=dtype)
+            continue
+        out[f["name"]] = region_P[f["offset"]: f["offset"] + f["nbytes"]].view(dtype).reshape(shape)
+    return out
 
 
-def _create_mapped(path: str, size: int) -> mmap.mmap:
+def _create_file(path: str, size: int) -> int:
+    """A new private file of `size` bytes; returns its fd (the caller maps it, and closes the fd when done)."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
-def _write_segment(path: str, tensors: dict[str, torch.Tensor], fields: list[dict], size_P: int) -> None:
-    with _create_mapped(path, size_P) as mm:
-        dst_P = torch.frombuffer(mm, dtype=torch.uint8)
-        _write_fields(dst_P, tensors, fields)
-        del dst_P  # release the buffer export before the mmap closes
+def _map(fd: int, size: int) -> torch.Tensor:
+    """The file as a uint8 tensor (shared mapping; it lives while any tensor over it does)."""
+    return torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
 
 
 def _read_segment(path: str, fields: list[dict]) -> dict[str, torch.Tensor]:
@@ -220,6 +236,63 @@ class _ConsumerRing:
         return self.regions[0].start if self.regions else self.last_end
 
 
+def _location(key: int, fd: int, inode: int, offset: int, fields: list[dict], size_P: int, reuse: bool) -> dict:
+    """Where a writer in another process finds a reserved region (metadata only: it travels in a vLLM request).
+
+    path: /proc/<pid>/fd/<fd> of the process holding the file open, which works after the file's name is gone (the
+    consumer unlinks a ring's name once it has mapped it; a memfd never had one). inode: proves the path still names
+    that file. reuse: the file holds later regions too (a ring), so the writer may keep it mapped."""
+    return {"key": key, "path": f"/proc/{os.getpid()}/fd/{fd}", "inode": inode, "offset": offset, "nbytes": size_P,
+            "fields": fields, "reuse": reuse}
+
+
+class Reservation:
+    """Room for one payload, set aside before its bytes exist (ShmProducer.reserve). Write the fields through
+    `tensors` (this process) or `location` (another process: RegionWriter), then `ShmProducer.publish` it."""
+
+    def __init__(self, key: int, producer_id: int, tensors: dict[str, torch.Tensor], location: dict, msg: dict,
+                 fd: int | None = None, head_before: int = 0):
+        self.key, self.producer_id, self.tensors, self.location = key, producer_id, tensors, location
+        self._msg = msg  # the data message publish() sends: fields, nbytes, ring name and start, or segment name
+        self._fd = fd  # a one-off segment's fd, open until publish (a ring's belongs to the producer)
+        self._head_before = head_before  # the ring head before this reservation (discard rolls it back)
+        self.published = False
+
+    @property
+    def nbytes(self) -> int:
+        return self._msg["nbytes"]
+
+
+class LocalRegion:
+    """A payload region in an anonymous memory file (memfd) of this process, for a writer in another process when
+    no consumer is involved (VLLMBackend.extract). It has no name, so nothing can leak: the memory lives while the
+    fd or a mapping does. `tensors` stay valid after close(); close once the writer is done."""
+
+    def __init__(self, key: int, layout: Layout):
+        fields, size_P = _layout_of(layout)
+        self._fd = os.memfd_create(f"specdistill-row{key}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, size_P)
+            self.tensors = _field_views(_map(self._fd, size_P), fields)
+            self.location = _location(key, self._fd, os.fstat(self._fd).st_ino, 0, fields, size_P, reuse=False)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@dataclass
+class _ProducerRing:
+    name: str
+    fd: int  # held open: a writer in another process reaches the ring through /proc/<pid>/fd/<fd>
+    inode: int
+    ring_R: torch.Tensor  # uint8 over the whole mapping
+
+
 class ShmProducer:
     """One producer's end of a ShmChannel: made by `ShmChannel.producer(id)`, passed to the producer process as
     a Process argument (or used in-process). Its control pipe and ring are its own, so a producer killed at any
@@ -230,66 +303,108 @@ class ShmProducer:
         self.ring_bytes, self.capacity_bytes = channel.ring_bytes, channel.capacity_bytes
         self._heads, self._tails, self._blocked = channel._heads, channel._tails, channel._blocked
         self._reserved, self._released = channel._reserved, channel._released
-        self._ring: tuple[str, mmap.mmap, torch.Tensor] | None = None
+        self._ring: _ProducerRing | None = None
+        self._published_end = 0  # end of the last ring region published (virtual offset)
         self._seq = 0
         self.blocked_seconds = 0.0  # time spent waiting for room
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state.update(_ring=None, _seq=0, blocked_seconds=0.0)
+        state.update(_ring=None, _published_end=0, _seq=0, blocked_seconds=0.0)
         return state
 
     def put(self, key: int, tensors: dict[str, torch.Tensor], *, info: dict | None = None, block: bool = True,
             timeout: float | None = None) -> None:
-        """Publish one payload. Blocks for room (backpressure); ChannelFull if not block / timed out."""
-        info = info or {}
-        fields, size_P = _layout(tensors)
-        msg = {"kind": "data", "key": key, "info": info, "fields": fields, "nbytes": size_P}
+        """Publish one payload (one copy into the ring). Blocks for room (backpressure); ChannelFull if not block
+        / timed out."""
+        check_metadata_only(info or {}, f"row {key} info")
+        reservation = self.reserve(key, {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()},
+                                   block=block, timeout=timeout)
+        try:
+            for name, t in tensors.items():
+                reservation.tensors[name].copy_(t.detach())
+        except BaseException:
+            self._discard(reservation)
+            raise
+        self.publish(reservation, info=info)
+
+    def reserve(self, key: int, layout: Layout, *, block: bool = True, timeout: float | None = None) -> Reservation:
+        """Room for one payload of `layout` (field name -> (dtype, shape)), to be written in place and then
+        published. Blocks for room like put. ChannelFull at once when this producer's own unpublished reservations
+        leave too little room in the ring for it: waiting could never end, publish them first."""
+        fields, size_P = _layout_of(layout)
+        msg = {"kind": "data", "key": key, "info": {}, "fields": fields, "nbytes": size_P}
         check_metadata_only(msg, f"row {key} control message")
         if size_P > self.ring_bytes:
-            self._put_oversized(msg, tensors, block, timeout)
-        else:
-            self._put_ring(msg, tensors, block, timeout)
-        self._seq += 1
+            return self._reserve_segment(msg, block, timeout)
+        return self._reserve_ring(msg, block, timeout)
+
+    def publish(self, reservation: Reservation, *, info: dict | None = None) -> None:
+        """Hand a reserved payload to the consumer: a control message only, the bytes are in place already.
+        Ring reservations go in the order they were made."""
+        msg = {**reservation._msg, "info": info or {}}
+        check_metadata_only(msg, f"row {reservation.key} control message")
+        where = f"producer {self.producer_id}: row {reservation.key}"
+        if reservation.published:
+            raise ValueError(f"{where} is already published")
+        if "ring" in msg:
+            if msg["start"] < self._published_end:
+                raise ValueError(f"{where}: a later reservation was published first; publish ring reservations in "
+                                 "the order they were made")
+            self._published_end = msg["start"] + msg["nbytes"]
+        self._conn.send(msg)
+        reservation.published = True
+        reservation.tensors = {}  # the region is the consumer's now: no more writes through these views
+        if reservation._fd is not None:
+            os.close(reservation._fd)  # the consumer opens a segment by name
+            reservation._fd = None
 
     def send(self, kind: str, *, key: int | None = None, info: dict | None = None) -> None:
         """A metadata-only message (ready / done / error...) on the same ordered control path."""
         if kind == "data":
-            raise ValueError("kind 'data' is reserved for put()")
+            raise ValueError("kind 'data' is reserved for put() and publish()")
         msg = {"kind": kind, "key": key, "info": info or {}}
         check_metadata_only(msg, f"{kind} control message")
         self._conn.send(msg)
 
     def close(self) -> None:
         """Done producing: the consumer sees end-of-stream once every copy of this end is closed."""
-        self._ring = None  # unmapped when the last tensor over it is gone
+        if self._ring is not None:
+            os.close(self._ring.fd)
+            self._ring = None  # unmapped when the last tensor over it is gone
         self._conn.close()
 
     abandon = close  # pipe sends are synchronous: nothing is left to flush or to drop
 
-    def _put_ring(self, msg: dict, tensors: dict[str, torch.Tensor], block: bool, timeout: float | None) -> None:
+    def _reserve_ring(self, msg: dict, block: bool, timeout: float | None) -> Reservation:
         pid, size_P, R = self.producer_id, msg["nbytes"], self.ring_bytes
-        name, _mm, ring_R = self._ensure_ring()
+        ring = self._ensure_ring()
         head = self._heads[pid]
         pos = head % R
         waste = R - pos if pos + size_P > R else 0  # a payload never wraps: skip the ring's tail end
+        if R - (head - self._published_end) < waste + size_P:
+            raise ChannelFull(f"producer {pid}: {head - self._published_end} bytes reserved and not published leave "
+                              f"no room for {size_P} more in a ring of {R}; publish them first")
         self._wait_for_room(lambda: R - (head - self._tails[pid]) >= waste + size_P,
                             f"producer {pid}: ring of {R} bytes has no room for {size_P} more", block, timeout)
         start = head + waste
-        _write_fields(ring_R[start % R: start % R + size_P], tensors, msg["fields"])
-        self._heads[pid] = start + size_P
-        self._conn.send({**msg, "ring": name, "ring_bytes": R, "start": start})
+        self._heads[pid] = start + size_P  # in flight from now on: the room check counts it
+        pos = start % R
+        tensors = _field_views(ring.ring_R[pos: pos + size_P], msg["fields"])
+        location = _location(msg["key"], ring.fd, ring.inode, pos, msg["fields"], size_P, reuse=True)
+        return Reservation(msg["key"], pid, tensors, location,
+                           {**msg, "ring": ring.name, "ring_bytes": R, "start": start}, head_before=head)
 
-    def _ensure_ring(self) -> tuple[str, mmap.mmap, torch.Tensor]:
+    def _ensure_ring(self) -> _ProducerRing:
         if self._ring is None:
             name = f"{self.prefix}-ring{self.producer_id}-{os.getpid()}"
-            mm = _create_mapped(os.path.join(SHM_DIR, name), self.ring_bytes)
+            fd = _create_file(os.path.join(SHM_DIR, name), self.ring_bytes)
             self._heads[self.producer_id] = self._tails[self.producer_id] = 0  # this id starts afresh
-            self._ring = (name, mm, torch.frombuffer(mm, dtype=torch.uint8))
+            self._published_end = 0
+            self._ring = _ProducerRing(name, fd, os.fstat(fd).st_ino, _map(fd, self.ring_bytes))
         return self._ring
 
-    def _put_oversized(self, msg: dict, tensors: dict[str, torch.Tensor], block: bool,
-                       timeout: float | None) -> None:
+    def _reserve_segment(self, msg: dict, block: bool, timeout: float | None) -> Reservation:
         pid, size_P = self.producer_id, msg["nbytes"]
 
         def oversized_in_flight() -> int:
@@ -300,15 +415,34 @@ class ShmProducer:
                             f"{oversized_in_flight()} oversized bytes in flight + {size_P} > capacity "
                             f"{self.capacity_bytes}", block, timeout)
         segment = f"{self.prefix}-{pid}-{os.getpid()}-{self._seq}"
+        self._seq += 1
         path = os.path.join(SHM_DIR, segment)
         self._reserved[pid] += size_P
+        fd = None
         try:
-            _write_segment(path, tensors, msg["fields"], size_P)
-            self._conn.send({**msg, "segment": segment})
+            fd = _create_file(path, size_P)
+            tensors = _field_views(_map(fd, size_P), msg["fields"])
+            location = _location(msg["key"], fd, os.fstat(fd).st_ino, 0, msg["fields"], size_P, reuse=False)
         except BaseException:
+            if fd is not None:
+                os.close(fd)
             _unlink_quietly(path)
             self._reserved[pid] -= size_P
             raise
+        return Reservation(msg["key"], pid, tensors, location, {**msg, "segment": segment}, fd=fd)
+
+    def _discard(self, reservation: Reservation) -> None:
+        """Give up the newest reservation, unpublished (put's copy failed): its room is free again."""
+        reservation.tensors = {}
+        msg, pid = reservation._msg, self.producer_id
+        if "ring" in msg:
+            if self._heads[pid] == msg["start"] + msg["nbytes"]:
+                self._heads[pid] = reservation._head_before
+            return
+        os.close(reservation._fd)
+        reservation._fd = None
+        _unlink_quietly(os.path.join(SHM_DIR, msg["segment"]))
+        self._reserved[pid] -= reservation.nbytes
 
     def _wait_for_room(self, has_room, why: str, block: bool, timeout: float | None) -> None:
         if has_room():
@@ -392,6 +526,12 @@ class ShmChannel:
 
     def put(self, key: int, tensors: dict[str, torch.Tensor], *, producer_id: int = 0, **kwargs) -> None:
         self._local_producer(producer_id).put(key, tensors, **kwargs)
+
+    def reserve(self, key: int, layout: Layout, *, producer_id: int = 0, **kwargs) -> Reservation:
+        return self._local_producer(producer_id).reserve(key, layout, **kwargs)
+
+    def publish(self, reservation: Reservation, **kwargs) -> None:
+        self._local_producer(reservation.producer_id).publish(reservation, **kwargs)
 
     def send(self, kind: str, *, producer_id: int = 0, **kwargs) -> None:
         self._local_producer(producer_id).send(kind, **kwargs)
@@ -482,6 +622,8 @@ class ShmChannel:
         self._closed = True
         sweep_segments(self.prefix)
         _OWNERS.discard(self)
+        for producer in self._local.values():
+            producer.close()
         for conn in [*self._readers.values(), *self._writers.values()]:
             conn.close()
         self._readers.clear()
@@ -493,6 +635,68 @@ class ShmChannel:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class RegionWriter:
+    """Writes tensors into regions that a producer in another process reserved (`Reservation.location`): a vLLM
+    engine writing a request's hidden states straight into its feature worker's ring.
+
+    Opens the region's file through the producer's /proc/<pid>/fd/<fd> path (the producer holds the fd open until it
+    publishes; the name may be gone), checks it is the same file (inode) and large enough, and keeps rings mapped
+    for their next regions (one-off files are unmapped after the write). Same user only: /proc/<pid>/fd follows the
+    ptrace read-access rule, which a process of the same user that is not setuid passes.
+    """
+
+    _MAX_KEPT = 4  # rings kept mapped: one per producer this writer serves
+
+    def __init__(self):
+        self._kept: "OrderedDict[tuple[str, int], torch.Tensor]" = OrderedDict()
+
+    def write(self, location: dict, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy each tensor into its field, in the order given (write the field a reader checks last, last),
+        casting to the field's dtype on the way. Raises, naming the row and field, on an unknown field, a shape
+        mismatch or a file that is not the producer's."""
+        row = f"row {location['key']}"
+        fields = {f["name"]: f for f in location["fields"]}
+        unknown = [name for name in tensors if name not in fields]
+        if unknown:
+            raise KeyError(f"{row}: fields {unknown} are not in its region (it has {sorted(fields)})")
+        offset = location["offset"]
+        region_P = self._mapping(location)[offset: offset + location["nbytes"]]
+        views = _field_views(region_P, [fields[name] for name in tensors])
+        for name, src in tensors.items():
+            dst = views[name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"{row}: field {name!r} got shape {tuple(src.shape)}, its region holds "
+                                 f"{tuple(dst.shape)}")
+            if src.device.type != "cpu":
+                src = src.to(dst.dtype)  # cast on the device: fewer bytes cross the bus
+            dst.copy_(src)  # on CPU the cast is part of this one pass
+
+    def _mapping(self, location: dict) -> torch.Tensor:
+        ident = (location["path"], location["inode"])
+        if ident in self._kept:
+            self._kept.move_to_end(ident)
+            return self._kept[ident]
+        try:
+            fd = os.open(location["path"], os.O_RDWR)
+        except OSError as e:
+            raise RuntimeError(f"row {location['key']}: cannot open its region file {location['path']} ({e}); the "
+                               "producer must be alive, hold it open and run as this user") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != location["inode"] or st.st_size < location["offset"] + location["nbytes"]:
+                raise RuntimeError(f"row {location['key']}: {location['path']} is inode {st.st_ino} of {st.st_size} "
+                                   f"bytes, not the producer's region file (inode {location['inode']}, at least "
+                                   f"{location['offset'] + location['nbytes']} bytes)")
+            file_P = _map(fd, st.st_size)
+        finally:
+            os.close(fd)
+        if location["reuse"]:
+            self._kept[ident] = file_P
+            while len(self._kept) > self._MAX_KEPT:
+                self._kept.popitem(last=False)  # unmapped once nothing else holds it
+        return file_P
 
 
 def _unlink_quietly(path: str) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from feature_server.shm_transport import (
-    ChannelFull, ShmChannel, check_metadata_only, segment_paths, sweep_segments,
+    ChannelFull, LocalRegion, RegionWriter, ShmChannel, check_metadata_only, segment_paths, sweep_segments,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -259,3 +259,98 @@ def test_files_are_private_to_the_user():
         modes = [os.stat(path).st_mode & 0o777 for path in ring + oversized]
         ch2.close()
     assert len(modes) == 2 and modes == [0o600, 0o600]
+
+
+# ---- writes in place: reserve, write (here or in another process), publish -----------------------------------------
+_SAMPLE_LAYOUT = {"input_ids_T": (torch.int64, (5,)), "loss_mask_T": (torch.bool, (5,)),
+                  "hidden_TLD": (torch.bfloat16, (5, 3, 16))}
+
+
+def _write_from_another_process(location: dict, hidden_fp32, ids) -> None:
+    RegionWriter().write(location, {"hidden_TLD": hidden_fp32, "input_ids_T": ids})
+
+
+def _write_in_child(location: dict, hidden_fp32, ids) -> None:
+    p = mp.get_context("spawn").Process(target=_write_from_another_process, args=(location, hidden_fp32, ids))
+    p.start()
+    p.join(HANG_GUARD_S)
+    assert p.exitcode == 0
+
+
+def test_reserved_region_written_by_another_process_after_the_name_is_gone_is_published_without_a_copy():
+    hidden = torch.randn(5, 3, 16)
+    ids = torch.arange(10, 15)
+    with ShmChannel(1 << 20, prefix=_prefix()) as ch:
+        ch.put(0, _payload())  # the consumer maps the ring with its first payload, then unlinks its name
+        del ch.get(timeout=HANG_GUARD_S).tensors
+        assert segment_paths(ch.prefix) == []
+        res = ch.reserve(1, _SAMPLE_LAYOUT)
+        assert ch.bytes_in_flight() == res.nbytes  # reserved counts against capacity before it is published
+        res.tensors["loss_mask_T"].copy_(torch.tensor([0, 0, 1, 1, 1], dtype=torch.bool))
+        _write_in_child(res.location, hidden, ids)  # through /proc/<pid>/fd: the ring has no name any more
+        ch.publish(res, info={"stream": 3})
+        got = ch.get(timeout=HANG_GUARD_S)
+        assert (got.kind, got.key, got.info) == ("data", 1, {"stream": 3})
+        assert got.tensors["hidden_TLD"].dtype == torch.bfloat16
+        assert torch.equal(got.tensors["hidden_TLD"], hidden.to(torch.bfloat16))  # cast on write
+        assert torch.equal(got.tensors["input_ids_T"], ids)
+        assert got.tensors["loss_mask_T"].tolist() == [False, False, True, True, True]
+        del got
+        assert ch.bytes_in_flight() == 0
+    assert segment_paths(ch.prefix) == []
+
+
+def test_oversized_reservation_is_written_in_place_and_swept_if_never_published():
+    hidden = torch.randn(5, 3, 16)
+    with ShmChannel(1, prefix=_prefix()) as ch:  # 1 byte: every payload takes the oversized path
+        res = ch.reserve(4, _SAMPLE_LAYOUT)
+        assert len(segment_paths(ch.prefix)) == 1
+        _write_in_child(res.location, hidden, torch.arange(5))
+        ch.publish(res)
+        got = ch.get(timeout=HANG_GUARD_S)
+        assert torch.equal(got.tensors["hidden_TLD"], hidden.to(torch.bfloat16))
+        assert segment_paths(ch.prefix) == []  # read and unlinked
+        ch.reserve(5, _SAMPLE_LAYOUT)  # a producer that dies (or fails) before publishing leaves a named file
+        assert len(segment_paths(ch.prefix)) == 1
+    assert segment_paths(ch.prefix) == []  # which the owner's sweep removes
+
+
+def test_ring_reservations_publish_in_order_and_unpublished_ones_are_skipped():
+    size = _layout_bytes({"x": torch.zeros(64)})
+    with ShmChannel(3 * size, prefix=_prefix()) as ch:
+        a, b, c = (ch.reserve(i, {"x": (torch.float32, (64,))}) for i in range(3))
+        with pytest.raises(ChannelFull, match="not published leave no room"):  # waiting could never end
+            ch.reserve(3, {"x": (torch.float32, (64,))}, timeout=HANG_GUARD_S)
+        b.tensors["x"].fill_(2.0)
+        ch.publish(b)  # a is never published: skipped
+        with pytest.raises(ValueError, match="order they were made"):
+            ch.publish(a)
+        with pytest.raises(ValueError, match="already published"):
+            ch.publish(b)
+        got = ch.get(timeout=HANG_GUARD_S)
+        assert got.key == 1 and bool((got.tensors["x"] == 2.0).all())
+        del got
+        assert ch.bytes_in_flight() == size  # c: reserved, still held; a's room came back with b's
+        c.tensors["x"].fill_(3.0)
+        ch.publish(c)
+        del ch.get(timeout=HANG_GUARD_S).tensors
+        assert ch.bytes_in_flight() == 0
+
+
+def test_region_writer_names_the_row_and_field_it_cannot_write():
+    region = LocalRegion(9, _SAMPLE_LAYOUT)
+    writer = RegionWriter()
+    try:
+        with pytest.raises(ValueError, match=r"row 9: field 'hidden_TLD' got shape \(4, 3, 16\)"):
+            writer.write(region.location, {"hidden_TLD": torch.zeros(4, 3, 16)})
+        with pytest.raises(KeyError, match="row 9: fields \\['logits'\\]"):
+            writer.write(region.location, {"logits": torch.zeros(1)})
+        with pytest.raises(RuntimeError, match="row 9: .* not the producer's region file"):
+            writer.write({**region.location, "inode": region.location["inode"] + 1}, {"input_ids_T": torch.ones(5)})
+        writer.write(region.location, {"input_ids_T": torch.arange(5)})  # a LocalRegion: written through /proc too
+        assert region.tensors["input_ids_T"].tolist() == [0, 1, 2, 3, 4]
+    finally:
+        region.close()
+    # Closed: the writer is too late. The fd number is gone, or already names another file (the inode says so).
+    with pytest.raises(RuntimeError, match="row 9: (cannot open its region file|.* not the producer's region file)"):
+        RegionWriter().write(region.location, {"input_ids_T": torch.arange(5)})
