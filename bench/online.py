@@ -8,8 +8,8 @@ Trains the same drafter steps twice in this process, on the same rows in the sam
 The drafter is DFlash with 2 layers on small-real, whose step (~2 s on 2 cores) is slower than the prefill of its
 pack (~0.5 s): feature capacity >= demand, the case where the trainer must never wait. Rows are few enough that
 the run spans several epochs, so the engine-load count covers epoch boundaries.
-On CPU the trainer and the worker share the cores: the trainer takes the cores the workers leave
-(trainer/layout.py cpu_threads), and the cached run uses as many threads, so the ratio measures the pipeline.
+On CPU the trainer and the worker share the cores (trainer/layout.py cpu_threads, OpenMP's passive wait), and the
+cached run uses as many trainer threads, so the ratio measures the pipeline.
 Last lines:
   trainer_wait_fraction: F    online, time the training loop waited for features / (that + its step time)
   online_vs_cached: R         training tokens/s online / tokens/s cached (1.0 = extraction fully hidden)
@@ -18,11 +18,13 @@ Last lines:
 """
 
 import argparse
+import os
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as launch/train.py, before torch loads OpenMP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402

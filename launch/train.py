@@ -5,24 +5,30 @@ directory (hydra.run.dir) ends with export/ and metrics.json; re-running with th
 resumes from its last checkpoint.
 """
 
-import faulthandler
-import json
-import logging
 import os
-import signal
-from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+# Before torch loads OpenMP, for this process and the feature workers it spawns: threads that wait at a barrier
+# sleep instead of spinning, so trainer ranks and CPU feature workers sharing cores slow each other by their
+# share, not by a whole preempted op (2 cores: 4.1 s vs 30 s per DFlash step; docs/scaling.md, "CPU threads").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from core.run_dir import RunDir
-from launch.config import register_configs
-from launch.prepare import resolve_data, resolve_target
-from launch.ranks import launch_local
-from trainer.layout import torchrun_sizes
-from trainer.run_info import write_run_info
-from trainer.trainer import Trainer
+import faulthandler  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from core.run_dir import RunDir  # noqa: E402
+from launch.config import register_configs  # noqa: E402
+from launch.prepare import resolve_data, resolve_target  # noqa: E402
+from launch.ranks import launch_local  # noqa: E402
+from trainer.layout import torchrun_sizes  # noqa: E402
+from trainer.run_info import write_run_info  # noqa: E402
+from trainer.trainer import Trainer  # noqa: E402
 
 log = logging.getLogger("specdistill")
 register_configs()

@@ -2,12 +2,17 @@
 test module leaves a process running."""
 
 import os
-import time
-import uuid
-import warnings
 
-import pytest
-import torch
+# As launch/train.py does, before torch loads OpenMP: this process and everything it starts wait passively at
+# OpenMP barriers, so tests' trainers, workers and engines sharing 2 cores do not spin against each other.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import time  # noqa: E402
+import uuid  # noqa: E402
+import warnings  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Inherited by every process a test starts (subprocesses, vLLM engines, feature workers, Ray's raylet and its
 # workers), so the guard below finds exactly this session's processes and no one else's.

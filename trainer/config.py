@@ -10,8 +10,8 @@ class TrainerConfig:
     token_budget: int = 4096  # tokens per packed sequence (32768 per GPU in production)
     grad_accum: int = 1  # packs per optimizer step and rank (global batch = ranks x grad_accum packs)
     prefetch_steps: int = 2  # optimizer steps' worth of packs extracted and packed ahead of the step (trainer/feed.py)
-    # CPU threads of each trainer rank; None: on CPU, the cores left to this rank after the node's CPU feature
-    # workers (trainer/layout.py cpu_threads), so the two never contend for a core; on CUDA, torch's default.
+    # CPU threads of each trainer rank; None: on CPU, the node's cores split over its ranks (trainer/layout.py
+    # cpu_threads); on CUDA, torch's default.
     threads: int | None = None
     lr: float = 3e-3  # AdamW (norms, biases, vectors)
     muon_lr: float = 0.02  # torch.optim.Muon for 2-D weight matrices

@@ -76,14 +76,15 @@ def torchrun_sizes(ranks: int, workers: int, local_world_size: int | None, expli
     return ranks, workers
 
 
-def cpu_threads(configured: int | None, trainer_device: str, ranks: int, worker_devices: tuple[tuple[str, ...], ...],
-                threads_per_worker: int, cores: int | None = None) -> int | None:
+def cpu_threads(configured: int | None, trainer_device: str, ranks: int, cores: int | None = None) -> int | None:
     """CPU threads per trainer rank (None: leave torch's default, which a CUDA rank barely uses).
 
-    On CPU the node's cores are shared with the CPU feature workers: a trainer rank whose OpenMP threads outnumber
-    the cores left to it runs every parallel op at the pace of its preempted thread (measured on 2 cores: a 2-layer
-    DFlash step 2.7 s with 1 thread, 9 s with 2 threads beside a busy worker; docs/scaling.md). So each rank gets
-    (cores - CPU worker threads) // ranks, at least 1, unless trainer.threads says otherwise."""
+    On CPU the node's cores are split over its trainer ranks (torch would give each rank all of them). The CPU
+    feature workers share those cores: they are busy only while extracting ahead of the step, and with OpenMP's
+    passive wait policy (launch/train.py sets OMP_WAIT_POLICY=PASSIVE) a rank whose thread is preempted by a
+    worker loses that thread's share, not the whole op. Measured on 2 cores (docs/scaling.md, "CPU threads"):
+    a 2-layer DFlash step beside a worker busy 30% of the time took 4.1 s with 2 passive threads, 30 s with 2
+    spinning ones (the default policy) and 10 s with 1 thread."""
     if configured is not None:
         if configured < 1:
             raise ValueError(f"trainer.threads={configured}: need >= 1 (or leave it unset)")
@@ -91,5 +92,4 @@ def cpu_threads(configured: int | None, trainer_device: str, ranks: int, worker_
     if trainer_device != "cpu":
         return None
     cores = cores or len(os.sched_getaffinity(0))
-    worker_threads = threads_per_worker * sum(d == "cpu" for devices in worker_devices for d in devices)
-    return max(1, (cores - worker_threads) // ranks)
+    return max(1, cores // ranks)

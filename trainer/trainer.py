@@ -64,8 +64,7 @@ class Trainer:
                              f"trainer.ranks=<torchrun --nproc-per-node>")
         parallel.check_mode(trainer_cfg.parallel)
         self.dist = distributed.init_distributed(trainer_cfg.device, trainer_cfg.collective_timeout_s)
-        threads = cpu_threads(trainer_cfg.threads, self.dist.device.type, trainer_cfg.ranks, self.layout.worker_devices,
-                              server_cfg.threads_per_worker)
+        threads = cpu_threads(trainer_cfg.threads, self.dist.device.type, trainer_cfg.ranks)
         if threads is not None:
             torch.set_num_threads(threads)
             log.info("trainer rank %d: %d CPU threads (trainer.threads)", self.dist.rank, threads)

@@ -40,3 +40,14 @@ def test_torchrun_sets_ranks_and_enough_workers_unless_given():
     assert torchrun_sizes(2, 6, 4, set()) == (4, 8)  # 6 workers do not split over 4 ranks: 2 each
     assert torchrun_sizes(1, 3, 2, {"feature_server.workers"}) == (2, 3)  # given: kept (plan_node then says why)
     assert torchrun_sizes(1, 1, 2, {"trainer.ranks"}) == (1, 1)  # given: kept (Trainer reports the mismatch)
+
+
+def test_cpu_ranks_split_the_cores_and_cuda_ranks_keep_torchs_default():
+    from trainer.layout import cpu_threads
+
+    assert cpu_threads(None, "cpu", ranks=1, cores=2) == 2
+    assert cpu_threads(None, "cpu", ranks=2, cores=16) == 8 and cpu_threads(None, "cpu", ranks=4, cores=2) == 1
+    assert cpu_threads(None, "cuda", ranks=2, cores=16) is None
+    assert cpu_threads(3, "cuda", ranks=2) == 3
+    with pytest.raises(ValueError, match="trainer.threads=0"):
+        cpu_threads(0, "cpu", ranks=1)
