@@ -37,6 +37,19 @@ def _session_processes(since: float) -> list:
     return found
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Every in-process computation of the suite is tiny (random 64-256-wide targets, drafters, references): two
+    intra-op threads gain nothing on it, and on a 2-core machine shared with other jobs they wait on each other.
+    Measured on such a machine: the EAGLE-3, DFlash 2 and DSpark learning tests took 93, 104 and 89 s with two
+    threads, 0.7-0.9 s with one. Processes the tests start set their own threads (launch.train, feature workers,
+    vLLM engines, launch/targets.py's fit, launch/small_real.py's replay)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_process_left_behind():
     """Every process a test module starts ends with it. A leftover busy process once starved a later test in CI
@@ -88,3 +101,12 @@ def tiny_target(cache_dir):
         return ensure_target(name, cache_dir / "targets")
 
     return build
+
+
+@pytest.fixture(scope="session")
+def target_alone_runs():
+    """vLLM runs of a target alone, one engine per target and prompts for the whole session: shared by the served
+    drafter tests (tests/serving_helpers.py TargetAloneRuns)."""
+    from tests.serving_helpers import TargetAloneRuns
+
+    return TargetAloneRuns()

@@ -4,8 +4,13 @@ test_dspark.py and test_dflash2.py on a GPU).
 `served_run` serves a trained run's export on vLLM next to the target alone and walks the offline evaluator over
 vLLM's own base outputs (bench.vllm_acceptance.served_vs_offline), so the two sets of counters describe the same
 decode path: equal on fp32 tiny-llama, within 5% on bf16 tiny-qwen3-next (docs/acceptance.md, docs/vllm.md).
+
+The served runs of one target share their prompts (the first held-out rows of one workload), so the target alone
+runs once per session on them (`TargetAloneRuns`, the conftest fixture `target_alone_runs`): a vLLM engine is
+15-60 s to start on 2 cores, and six served exports would otherwise start six base engines for three answers.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -13,6 +18,7 @@ from pathlib import Path
 
 from bench.prompts import read_prompts
 from bench.vllm_acceptance import served_vs_offline
+from bench.vllm_serve import ServeResult, serve
 from core.run_dir import RunDir
 
 MAX_TOKENS, PROMPTS = 24, 6
@@ -24,10 +30,30 @@ def run_heldout_prompts(run_dir: Path, n: int = PROMPTS) -> list[list[int]]:
     return read_prompts(heldout, None, n)[0]
 
 
-def served_run(name: str, run_dir: Path, target_dir: Path, method: str) -> dict:
+class TargetAloneRuns:
+    """Greedy runs of a target alone on vLLM (ignore_eos), one engine per target and prompts for the session.
+
+    A shorter run is the longer one's prefix: every request decodes to the same length, so each step schedules the
+    same batch either way, and `get` truncates (K differs per drafter: MTP 5, DFlash and EAGLE-3 7)."""
+
+    def __init__(self):
+        self._runs: dict[tuple, ServeResult] = {}
+
+    def get(self, target_dir: Path, prompts: list[list[int]], max_tokens: int) -> ServeResult:
+        # Model Runner V2 (the GPU serving tests set it) is another engine: its runs are kept apart.
+        key = (str(target_dir), tuple(map(tuple, prompts)), os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+        run = self._runs.get(key)
+        if run is None or len(run.output_token_ids[0]) < max_tokens:
+            run = self._runs[key] = serve(str(target_dir), prompts, max_tokens, ignore_eos=True)
+        return dataclasses.replace(run, output_token_ids=[o[:max_tokens] for o in run.output_token_ids])
+
+
+def served_run(name: str, run_dir: Path, target_dir: Path, method: str, target_alone: TargetAloneRuns) -> dict:
     """base / spec ServeResults, the offline AcceptanceCounts, K and the prompts of one trained run."""
     prompts = run_heldout_prompts(run_dir)
-    result = served_vs_offline(run_dir, target_dir, method, prompts, MAX_TOKENS)
+    K = json.loads(RunDir(run_dir).metrics.read_text())["num_speculative_tokens"]
+    base = target_alone.get(target_dir, prompts, MAX_TOKENS + K)  # the walk reads K tokens past MAX_TOKENS
+    result = served_vs_offline(run_dir, target_dir, method, prompts, MAX_TOKENS, base=base)
     return dict(name=name, target_dir=target_dir, run_dir=run_dir, prompts=prompts, base=result["base"],
                 spec=result["spec"], offline=result["offline"].total, K=result["K"])
 
@@ -89,7 +115,8 @@ SERVED_TRAIN = ["drafter.num_layers=1", "drafter.init_from_target=false", "data.
                 "trainer.checkpoint_every=40", "trainer.warmup_steps=4", "trainer.progress=false"]
 
 
-def serve_trained_export(tmp_path, cache_dir, tiny_target, drafter: str, method: str) -> None:
+def serve_trained_export(tmp_path, cache_dir, tiny_target, target_alone: TargetAloneRuns, drafter: str,
+                         method: str) -> None:
     """Train `drafter` on tiny-llama through the CLI, serve its export with vLLM on Model Runner V2 next to the
     target alone: greedy outputs equal the target's own, drafts are accepted, and vLLM's tau is within 5% of the
     offline walk on vLLM's own base outputs (tests/drafters/test_dspark.py, test_dflash2.py)."""
@@ -99,7 +126,7 @@ def serve_trained_export(tmp_path, cache_dir, tiny_target, drafter: str, method:
     target_dir = tiny_target("tiny-llama")
     run_dir = tmp_path / "run"
     run_train([f"drafter={drafter}", "target=tiny-llama", *SERVED_TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
-    served = served_run("tiny-llama", run_dir, target_dir, method)
+    served = served_run("tiny-llama", run_dir, target_dir, method, target_alone)
     assert_lossless(served)
     vllm, ours = served["spec"].counters, served["offline"]
     assert served["spec"].num_speculative_tokens == served["K"]

@@ -23,11 +23,15 @@ from tests.cli import REPO, SMALL, run_train
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["tiny-llama", "tiny-qwen3-next"])
 def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
+    """The run directory a user gets, then a resume; after each normal end nothing of the run is left in /dev/shm,
+    semaphores included (the kill -9 case: test_no_shared_memory_left_after_a_kill_9_and_resume)."""
     tiny_target(target)  # built once per session, shared with the other tests
     run_dir = tmp_path / "run"
     run = RunDir(run_dir)
     args = [f"target={target}", *SMALL, f"hydra.run.dir={run_dir}"]
+    semaphores_before = _semaphores()
     run_train([*args, "trainer.max_steps=3"], cache_dir)
+    assert _run_files(run_dir) == []
     first = json.loads(run.metrics.read_text())
     for key in ("drafter", "steps", "train_tokens", "tau_offline", "per_position_acceptance",
                 "feature_extraction_seconds", "training_seconds"):
@@ -51,29 +55,7 @@ def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
     assert "resumed from" in second.stderr + second.stdout
     resumed = json.loads(run.metrics.read_text())
     assert resumed["steps"] == 5 and resumed["train_tokens"] > first["train_tokens"]
-
-
-@pytest.mark.slow
-def test_two_ranks_launched_by_the_cli(tmp_path, cache_dir, tiny_target):
-    """trainer.ranks=2 from plain `python -m launch.train`: it starts the ranks itself with torchrun's environment
-    (DDP over gloo); each rank streams its own shard from its own worker; rank 0 writes the run directory. While
-    it runs, no process of the run listens off loopback (torchrun's own store would listen on every interface)."""
-    from tests.listeners import SampledRun, off_loopback_listeners
-
-    tiny_target("tiny-llama")
-    run_dir = tmp_path / "ddp"
-    env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", *SMALL, "trainer.max_steps=2",
-           "trainer.device=cpu", "trainer.ranks=2", "feature_server.workers=2", f"hydra.run.dir={run_dir}"]
-    run = SampledRun(cmd, cwd=REPO, env=env, sample=lambda proc: off_loopback_listeners(roots=(proc.pid,)),
-                     deadline_s=600, every_s=0.5)
-    code, out = run.finish()
-    assert code == 0, out[-6000:]
-    started = r"started 2 trainer ranks \(pids \d+,\d+\); rendezvous store at 127\.0\.0\.1:\d+"
-    assert re.search(started, out), out[-3000:]
-    assert not run.found, f"listening off loopback: {run.found}"
-    metrics = json.loads(RunDir(run_dir).metrics.read_text())
-    assert metrics["steps"] == 2 and (RunDir(run_dir).export / "model.safetensors").is_file()
+    assert _run_files(run_dir) == [] and _semaphores() - semaphores_before == set()
 
 
 @pytest.mark.slow
@@ -124,19 +106,16 @@ def _semaphores() -> set[str]:
 
 
 @pytest.mark.slow
-def test_no_shared_memory_left_after_a_normal_end_or_a_kill_9_and_resume(tmp_path, cache_dir, tiny_target):
-    """Nothing of a run stays in /dev/shm, semaphores included: after a normal end, and after a kill -9 of the
-    run's process group (no handler, no atexit, no finally) followed by a resume that finishes the run. Before
-    one server per run, each such kill left 4 semaphores (a worker's task Queue and the channel's wake-up)."""
+def test_no_shared_memory_left_after_a_kill_9_and_resume(tmp_path, cache_dir, tiny_target):
+    """Nothing of a run stays in /dev/shm, semaphores included, after a kill -9 of the run's process group (no
+    handler, no atexit, no finally) followed by a resume that finishes the run (after a normal end:
+    test_cli_end_to_end_then_resume). Before one server per run, each such kill left 4 semaphores (a worker's task
+    Queue and the channel's wake-up)."""
     import psutil
 
     tiny_target("tiny-llama")
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     semaphores_before = _semaphores()
-    run_dir = tmp_path / "normal"
-    run_train(["target=tiny-llama", *SMALL, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
-    assert _run_files(run_dir) == []
-
     run_dir = tmp_path / "killed"
     args = [a for a in SMALL if not a.startswith("trainer.token_budget")]
     args = ["target=tiny-llama", *args, "trainer.token_budget=256", "feature_server.workers=2",
@@ -238,7 +217,11 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
     order differs (gloo's all-reduce / reduce-scatter vs accumulation). Tolerance: 1e-4 relative for DDP (seen:
     bit-identical at this size), 1e-3 for FSDP (seen: 8.2e-5). An FSDP run stopped at step 2 and resumed ends
     bit-identical to the uninterrupted one: gathered weights and optimizer states, and each rank's data position
-    and RNG."""
+    and RNG. The DDP run is plain `python -m launch.train trainer.ranks=2`: it starts the ranks itself with torchrun's
+    environment, each rank streams its own shard from its own worker, rank 0 writes the run directory, and while it
+    runs no process of the run listens off loopback (torchrun's own store would listen on every interface)."""
+    from tests.listeners import SampledRun, off_loopback_listeners
+
     tiny_target("tiny-llama")
     args = [a for a in SMALL if not a.startswith(("trainer.token_budget", "data.rows"))]
     args = ["target=tiny-llama", *args, "data.rows=16", "trainer.token_budget=200", "drafter.max_anchors=512",
@@ -246,7 +229,16 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
     two_ranks = ["trainer.ranks=2", "feature_server.workers=2"]
     one, two, fsdp, resumed = (tmp_path / name for name in ("one", "two", "fsdp", "resumed"))
     run_train([*args, "trainer.grad_accum=2", f"hydra.run.dir={one}"], cache_dir)
-    run_train([*args, *two_ranks, f"hydra.run.dir={two}"], cache_dir)
+    env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir)}
+    cmd = [sys.executable, "-m", "launch.train", *args, *two_ranks, f"hydra.run.dir={two}"]
+    ddp = SampledRun(cmd, cwd=REPO, env=env, sample=lambda proc: off_loopback_listeners(roots=(proc.pid,)),
+                     deadline_s=600, every_s=0.5)
+    code, out = ddp.finish()
+    assert code == 0, out[-6000:]
+    started = r"started 2 trainer ranks \(pids \d+,\d+\); rendezvous store at 127\.0\.0\.1:\d+"
+    assert re.search(started, out), out[-3000:]
+    assert not ddp.found, f"listening off loopback: {ddp.found}"
+    assert (RunDir(two).export / "model.safetensors").is_file()
     run_train([*args, *two_ranks, "trainer.parallel=fsdp", f"hydra.run.dir={fsdp}"], cache_dir)
     logs = [[r for r in map(json.loads, RunDir(d).train_log.read_text().splitlines()) if "loss" in r]
             for d in (one, two, fsdp)]  # training records; the held-out points are records of their own

@@ -26,7 +26,7 @@ TRAIN = ["drafter=dflash", *SERVED_TRAIN]
 # checks as one trained on transformers' features.
 @pytest.fixture(scope="module", params=[("tiny-llama", "hf"), ("tiny-qwen3-next", "hf"), ("tiny-llama", "vllm")],
                 ids=["tiny-llama", "tiny-qwen3-next", "tiny-llama-vllm-features"])
-def served(request, tmp_path_factory, cache_dir, tiny_target):
+def served(request, tmp_path_factory, cache_dir, tiny_target, target_alone_runs):
     target, features = request.param
     target_dir = tiny_target(target)
     run_dir = tmp_path_factory.mktemp(f"serve-{target}-{features}") / "run"
@@ -37,7 +37,7 @@ def served(request, tmp_path_factory, cache_dir, tiny_target):
               cache_dir)
     config = json.loads(RunDir(run_dir).run_info.read_text())["config"]
     assert config["drafter"]["name"] == "dflash" and config["feature_server"]["backend"] == features
-    return {**served_run(target, run_dir, target_dir, "dflash"), "features": features}
+    return {**served_run(target, run_dir, target_dir, "dflash", target_alone_runs), "features": features}
 
 
 def test_served_outputs_are_lossless(served):

@@ -167,9 +167,9 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path):
                     reason="vLLM 0.32 serves DFlash 2 only on Model Runner V2 (GPU, Triton); on CPU Model Runner V1 "
                            "rejects it ('Model Runner V1 does not support: DFlash candidate-head drafts'), so CPU "
                            "parity is checked against speculators' DFlash2DraftModel above")
-def test_vllm_serves_trained_export(tmp_path, cache_dir, tiny_target):
+def test_vllm_serves_trained_export(tmp_path, cache_dir, tiny_target, target_alone_runs):
     """A trained DFlash 2 export served by vLLM (method dflash, architecture DFlash2DraftModel): lossless greedy,
     accepted as the offline walk predicts."""
     from tests.serving_helpers import serve_trained_export
 
-    serve_trained_export(tmp_path, cache_dir, tiny_target, "dflash2", "dflash")
+    serve_trained_export(tmp_path, cache_dir, tiny_target, target_alone_runs, "dflash2", "dflash")

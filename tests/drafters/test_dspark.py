@@ -130,9 +130,9 @@ def test_export_matches_speculators_reference(tiny_llama_dir, tmp_path, head_typ
                     reason="vLLM 0.32 serves DSpark only on Model Runner V2 (GPU, Triton); on CPU Model Runner V1 "
                            "rejects it ('Model Runner V1 does not support: dspark speculative decoding'), so CPU "
                            "parity is checked against speculators' DSparkDraftModel above")
-def test_vllm_serves_trained_export(tmp_path, cache_dir, tiny_target):
+def test_vllm_serves_trained_export(tmp_path, cache_dir, tiny_target, target_alone_runs):
     """A trained DSpark export of tiny-llama served by vLLM (method dspark): greedy outputs equal the base, drafts
     accepted as the offline walk predicts."""
     from tests.serving_helpers import serve_trained_export
 
-    serve_trained_export(tmp_path, cache_dir, tiny_target, "dspark", "dspark")
+    serve_trained_export(tmp_path, cache_dir, tiny_target, target_alone_runs, "dspark", "dspark")

@@ -182,7 +182,7 @@ TRAIN = ["drafter=eagle3", "drafter.draft_vocab_size=512", "data.rows=48", "data
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3-next"])
-def served(request, tmp_path_factory, cache_dir, tiny_target):
+def served(request, tmp_path_factory, cache_dir, tiny_target, target_alone_runs):
     from tests.serving_helpers import served_run
     from tests.cli import run_train
 
@@ -191,7 +191,7 @@ def served(request, tmp_path_factory, cache_dir, tiny_target):
     run_train([f"target={request.param}", *TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
     config = json.loads((RunDir(run_dir).export / "config.json").read_text())
     assert config["draft_vocab_size"] == 512 and config["speculators_model_type"] == "eagle3"
-    return served_run(request.param, run_dir, target_dir, "eagle3")
+    return served_run(request.param, run_dir, target_dir, "eagle3", target_alone_runs)
 
 
 @pytest.mark.slow

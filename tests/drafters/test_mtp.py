@@ -28,15 +28,6 @@ from tests.drafters.learnable import make_learnable, train_losses
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5-moe"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These ops are tiny: on a busy 2-core box two intra-op threads ran the learning test 15x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def random_target(tmp_path_factory):
     """random_target(name) -> a randomly initialised tiny hybrid checkpoint with mtp.* tensors (no fit)."""
@@ -315,14 +306,14 @@ TRAIN = ["target=tiny-qwen3-next", "drafter=mtp", "data.rows=48", "data.heldout_
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, cache_dir, tiny_target):
+def served(tmp_path_factory, cache_dir, tiny_target, target_alone_runs):
     from tests.serving_helpers import served_run
     from tests.cli import run_train
 
     target_dir = tiny_target("tiny-qwen3-next")
     run_dir = tmp_path_factory.mktemp("serve-mtp") / "run"
     run_train([*TRAIN, f"hydra.run.dir={run_dir}"], cache_dir)
-    return {**served_run("tiny-qwen3-next", run_dir, target_dir, "mtp"),
+    return {**served_run("tiny-qwen3-next", run_dir, target_dir, "mtp", target_alone_runs),
             "metrics": json.loads(RunDir(run_dir).metrics.read_text())}
 
 

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.target import TargetInfo
 from launch.corpus import corpus_files, digest
-from launch.small_real import ASSET_DIR, DIGEST_STEPS, make_small_real
+from launch.small_real import ASSET_DIR, DIGEST_STEPS, heldout_loss, make_small_real, own_sample_entropy
 
 BUILD_INFO = json.loads((ASSET_DIR / "build_info.json").read_text())
 
@@ -28,6 +29,11 @@ def test_committed_checkpoint_is_a_real_small_lm():
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss.item()
     assert loss < 6.0  # a trained model, far below log(4096) = 8.3 of a uniform guess
+    # The builder's two measurements (build_info.json's held-out loss and own-sample entropy), run small here: the
+    # replay below skips them. Python source it never trained on (this repository's), a few nats per token.
+    text_T = tokenizer(Path(__file__).read_text(), return_tensors="pt").input_ids[0]
+    assert heldout_loss(model, text_T, seq_len=64, max_windows=2) < 6.0
+    assert 0.5 < own_sample_entropy(model, [text_T[:32].tolist()], new_tokens=16) < 8.3
 
 
 @pytest.mark.slow
@@ -36,14 +42,15 @@ def test_the_builder_reproduces_the_committed_tokenizer_and_first_steps(tmp_path
     if digest(files) != BUILD_INFO["corpus_digest"]:
         pytest.skip("this Python's standard library is not the corpus small-real was built from "
                     f"(torch {BUILD_INFO['torch']}, corpus {BUILD_INFO['corpus_digest'][:12]})")
-    out = make_small_real(tmp_path / "replay", steps=DIGEST_STEPS, log=lambda *_: None)
+    # measure=False: the replays skip the held-out loss and own-sample entropy, which nothing here reads.
+    out = make_small_real(tmp_path / "replay", steps=DIGEST_STEPS, log=lambda *_: None, measure=False)
     assert (out / "tokenizer.json").read_bytes() == (ASSET_DIR / "tokenizer.json").read_bytes()
     replay = json.loads((out / "build_info.json").read_text())
     # The first steps' losses equal the committed build's to the 5 decimals recorded. The weights' digest does not
     # match bit for bit (seen: every replay gives 2ac61cfe..., the build recorded 4a52abcc...; the build ran under
     # another process's thread scheduling), so it is not asserted; two replays must agree bit for bit instead.
     assert replay["loss_first"][:DIGEST_STEPS] == BUILD_INFO["loss_first"][:DIGEST_STEPS]
-    again = make_small_real(tmp_path / "again", steps=DIGEST_STEPS, log=lambda *_: None)
+    again = make_small_real(tmp_path / "again", steps=DIGEST_STEPS, log=lambda *_: None, measure=False)
     assert json.loads((again / "build_info.json").read_text())["weights_digest_after_steps"] == \
         replay["weights_digest_after_steps"]
     assert hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest() == BUILD_INFO["tokenizer_sha256"]

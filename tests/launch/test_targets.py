@@ -136,9 +136,11 @@ def test_ensure_target_builds_once_and_atomically(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
-def test_fitted_target_greedy_is_structured(tmp_path, name):
-    """The default fit turns the degenerate random target into one whose greedy outputs look like the workload."""
-    d = make_target(name, tmp_path / "fitted")
+def test_fitted_target_greedy_is_structured(tiny_target, name):
+    """The default fit turns the degenerate random target into one whose greedy outputs look like the workload.
+    The session's targets are that default build (ensure_target -> make_target; the bytes are deterministic, see
+    test_deterministic_bytes), so they are checked instead of fitting each a second time."""
+    d = tiny_target(name)
     tok = AutoTokenizer.from_pretrained(d)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     for row in generate_rows(26, split="heldout")[::6]:
