@@ -58,12 +58,12 @@ def run_cached(trainer: Trainer, steps: int) -> dict:
         samples = [replace(s, hidden_TLD=s.hidden_TLD.clone()) for s in sorted(server, key=lambda s: s.row_id)]
     order = {r.row_id: i for i, r in enumerate(trainer.rows)}
     samples.sort(key=lambda s: order[s.row_id])
-    packs = []
-    while len(packs) < steps:  # epoch after epoch, as the online run
-        packs += list(pack_stream(samples, trainer.cfg.token_budget, trainer.spec.layer_ids))
+    epoch = list(pack_stream(samples, trainer.cfg.token_budget, trainer.spec.layer_ids))
     state = TrainState()
-    for batch in packs[:steps]:
-        trainer._step(batch, state)
+    while state.step < steps:  # epoch after epoch, as the online run
+        state.consumed_row_ids.clear()  # as the trainer does at an epoch's end
+        for batch in epoch[:steps - state.step]:
+            trainer._step(batch, state)
     return {"seconds": state.train_seconds, "tokens": state.train_tokens}
 
 
@@ -96,6 +96,12 @@ def main() -> None:
     print(f"online: {online['train_tokens']} tokens, steps {online['training_seconds']:.1f} s + waiting "
           f"{online['feature_wait_seconds']:.2f} s; worker-side extraction {online['feature_extraction_seconds']:.1f} s")
     print(f"cached: {cached['tokens']} tokens in {cached['seconds']:.1f} s")
+    # On CPU the worker's prefill takes cores the step would use: online can at best reach the cached step's
+    # core-seconds over those plus the extraction's. On separate devices (GPU workers) the bound is 1 - wait.
+    step_core_s = cached["seconds"] * torch.get_num_threads()
+    extract_core_s = online["feature_extraction_seconds"] * args.worker_threads
+    print(f"shared-core bound on online_vs_cached: {step_core_s / (step_core_s + extract_core_s):.3f} "
+          f"({step_core_s:.0f} core-s of steps, {extract_core_s:.0f} core-s of extraction)")
     print(f"trainer_wait_fraction: {online['feature_wait_fraction']:.3f}")
     print(f"online_vs_cached: {rate_online / rate_cached:.3f}")
     print(f"first_step_seconds: {online['first_step_seconds']:.1f}")

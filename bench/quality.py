@@ -6,7 +6,8 @@
 For each drafter, on `target=small-real` (launch/small_real.py) with `data=corpus` (self-distilled rows: real text
 prompts, the target's greedy continuations), it runs the main job twice through the CLI, as a user would:
   real      `python -m launch.train drafter=NAME target=small-real data=corpus` with the defaults, bounded by steps
-  ablation  the same with `trainer.feature_ablation=zero` (the drafter's target states replaced by zeros)
+  ablation  the same with `trainer.feature_ablation=zero` (the drafter's target states replaced by zeros), for 40%
+            of the steps, compared with the real run's held-out point at that step
 and reads each run's metrics.json: held-out tau and a_k (the exported weights, walked on the held-out rows as vLLM
 would serve them) and the held-out curve. The model-free baselines run on the same held-out rows: a bigram table
 counted over the training rows, and prompt-lookup n-grams (bench/baselines.py). A PNG of held-out tau against
@@ -18,6 +19,9 @@ training tokens goes to OUT/quality.png, the table to OUT/quality.json. Last lin
 --steps N: every drafter trains N steps instead of its FULL_STEPS entry (runs go to OUT/steps-N).
 --set KEY=VALUE: an override for every run, real and ablated (e.g. drafter.num_layers=2); named in the run dir.
 --quick: 400 training rows, a few steps per drafter (minutes; a smoke run of the whole bench, numbers meaningless).
+--mtp: also MTP, which needs a target with an MTP head: small-real (a Llama) has none, so it runs on
+tiny-qwen3-next (templated data) and compares the fine-tuned layer with the one the target ships (its curve's step
+0, a random layer there); printed as `mtp_untrained_tau` and `mtp_tau` before the last lines.
 """
 
 import argparse
@@ -41,9 +45,20 @@ DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
 K = 7  # draft tokens per step for every drafter and baseline
 # Full run: steps per drafter, sized to ~30 min of training on 2 cores from the measured step rates
 # (docs/quality.md): eagle3 ~2 s/step with its feature waits, 2-layer dspark ~4 s/step, 5 layers ~2.5x that.
-FULL_STEPS = {"dflash": 180, "dflash2": 180, "dspark": 180, "eagle3": 900}
+FULL_STEPS = {"dflash": 500, "dflash2": 450, "dspark": 400, "eagle3": 900}
+MTP_STEPS = 200  # tiny-qwen3-next: a small hybrid target, ~1 s per MTP step
 QUICK = {"rows": 400, "heldout_rows": 16, "steps": 12}
 FULL = {"rows": 8000, "heldout_rows": 128}
+
+
+def ablation_steps(steps: int) -> int:
+    """The ablated run trains 40% of the real run's steps (two of its five held-out points): enough for the
+    ablated curve to flatten, and compared with the real curve's point at the same step, not its end."""
+    return max(1, 2 * (steps // 5))
+
+
+def curve_point(metrics: dict, step: int) -> float:
+    return next(p["heldout_tau"] for p in metrics["heldout_curve"] if p["step"] == step)
 
 
 def data_overrides(quick: bool) -> list[str]:
@@ -51,12 +66,15 @@ def data_overrides(quick: bool) -> list[str]:
     return ["data=corpus", f"data.rows={size['rows']}", f"data.heldout_rows={size['heldout_rows']}"]
 
 
-def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str]) -> dict:
-    """One `python -m launch.train` run (resumed if run_dir already has checkpoints); its metrics.json."""
+def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str], target: str = "small-real",
+          data: list[str] | None = None) -> dict:
+    """One `python -m launch.train` run (resumed if run_dir already has checkpoints); its metrics.json.
+    data: the data overrides (default: the corpus rows of data_overrides)."""
     metrics = RunDir(run_dir).metrics
     if metrics.is_file():
         return json.loads(metrics.read_text())
-    cmd = [sys.executable, "-m", "launch.train", f"drafter={drafter}", "target=small-real", *data_overrides(quick),
+    data = data_overrides(quick) if data is None else data
+    cmd = [sys.executable, "-m", "launch.train", f"drafter={drafter}", f"target={target}", *data,
            f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", "trainer.progress=false", *extra]
     print("+", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1])
@@ -105,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafters", default=",".join(DRAFTERS))
     ap.add_argument("--steps", type=int, default=None, help="steps for every drafter (default: FULL_STEPS)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    ap.add_argument("--mtp", action="store_true", help="also MTP, on tiny-qwen3-next (see above)")
     ap.add_argument("--out", default="outputs/quality")
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill"))
     a = ap.parse_args(argv)
@@ -121,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in a.drafters.split(","):
         steps = a.steps or (QUICK["steps"] if a.quick else FULL_STEPS[name])
-        results[name] = {"real": train(name, out / name, steps, a.quick, a.set),
-                         "ablation": train(name, out / f"{name}-zero", steps, a.quick,
+        every = [f"trainer.eval_every={max(1, steps // 5)}"]  # a held-out point at the ablation's last step
+        results[name] = {"real": train(name, out / name, steps, a.quick, [*a.set, *every]),
+                         "ablation": train(name, out / f"{name}-zero", ablation_steps(steps), a.quick,
                                            [*a.set, "trainer.feature_ablation=zero"])}
+    mtp = (train("mtp", out / "mtp-tiny-qwen3-next", QUICK["steps"] if a.quick else MTP_STEPS, a.quick, [],
+                 target="tiny-qwen3-next", data=["data.rows=64" if a.quick else "data.rows=512"]) if a.mtp else None)
     base = baselines(target_dir, train_path, heldout_path)
     plot(results, base, out / "quality.png")
     table = {name: {kind: {k: r[kind][k] for k in ("tau_offline", "per_position_acceptance", "steps", "train_tokens",
@@ -134,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in table.items():
         a_k = " ".join(f"{x:.3f}" for x in r["real"]["per_position_acceptance"])
         print(f"{name}: a_k {a_k}; {r['real']['steps']} steps, {r['real']['training_seconds']:.0f} s")
+        k = r["ablation"]["steps"]
+        print(f"{name} at {k} steps: held-out tau {curve_point(results[name]['real'], k):.3f} with the target's "
+              f"states, {r['ablation']['tau_offline']:.3f} with them zeroed")
     print(f"plot: {out / 'quality.png'}")
+    if mtp:  # the layer as the target ships it is the curve's step-0 point
+        print(f"mtp_untrained_tau: {mtp['heldout_curve'][0]['heldout_tau']:.3f}")
+        print(f"mtp_tau: {mtp['tau_offline']:.3f}")
     for name, r in table.items():
         print(f"tau_{name}: {r['real']['tau_offline']:.3f}")
     for name, r in table.items():

@@ -19,8 +19,15 @@ from core.run_dir import RunDir
 RUN_DIR = Path("outputs/demo")
 # The embedded default (conf/config.yaml) with a drafter sized for 2 cores: the production DFlash
 # (5 layers, 1024 anchors, 4096-token packs) takes tens of seconds per step there.
+# The worker computes the target in fp32 (feature_server.dtype): these CPUs have no bf16 arithmetic, and a bf16
+# prefill of tiny-qwen3-next takes 3.3x as long as fp32 (0.157 vs 0.048 s per 400-token row, one thread), so in
+# bf16 one worker cannot keep up with the step and the trainer waits (measured: 19.8 s of waiting for 10.8 s of
+# steps; in fp32 0.05 s). The states still cross in bf16 (feature_server.hidden_dtype), and the served check below
+# runs the target in bf16 on vLLM and walks bf16 states offline (docs/scaling.md, "Prefetch, ring capacity and CPU
+# threads").
 OVERRIDES = ["drafter=dflash", "target=tiny-qwen3-next", "drafter.num_layers=2", "drafter.max_anchors=256",
-             "trainer.token_budget=2048", "trainer.max_steps=60", f"hydra.run.dir={RUN_DIR}"]
+             "trainer.token_budget=2048", "trainer.max_steps=60", "feature_server.dtype=float32",
+             f"hydra.run.dir={RUN_DIR}"]
 SERVED_PROMPTS = 8
 # Served continuations are as long as the shortest held-out response of those prompts: the served check runs with
 # ignore_eos (so both runs produce the same lengths), and tokens past the response's end are not this workload.
@@ -77,7 +84,8 @@ def main() -> int:
     print(f"tau_offline (held-out, {m['heldout_drafts']} drafts, K={m['num_speculative_tokens']}): {m['tau_offline']:.3f}")
     print("per_position_acceptance: " + " ".join(f"{a:.2f}" for a in m["per_position_acceptance"]))
     print(f"time: feature extraction {m['feature_extraction_seconds']:.1f} s (worker-side), "
-          f"training {m['training_seconds']:.1f} s, waiting for features {m['feature_wait_seconds']:.1f} s, "
+          f"training {m['training_seconds']:.1f} s, waiting for features {m['feature_wait_seconds']:.1f} s "
+          f"({m['feature_wait_seconds'] / max(m['training_seconds'], 1e-9):.1%} of training), "
           f"train wall {trained - started:.1f} s (incl. target/data build on a fresh cache)")
     s = served(m)
     dtype = json.loads((Path(m["target"]) / "config.json").read_text()).get("dtype") or "float32"
