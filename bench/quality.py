@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         DataConfig(source="corpus", rows=size["rows"], heldout_rows=size["heldout_rows"], prompt_tokens=320,
                    prompt_min_tokens=96, max_new_tokens=64), target_dir, cache)
     results = {}
-    for name in a.drafters.split(","):
+    for name in filter(None, a.drafters.split(",")):  # --drafters "" --mtp: MTP and the baselines only
         steps = a.steps or (QUICK["steps"] if a.quick else FULL_STEPS[name])
         every = [f"trainer.eval_every={max(1, steps // 5)}"]  # a held-out point at the ablation's last step
         results[name] = {"real": train(name, out / name, steps, a.quick, [*a.set, *every]),
