@@ -43,8 +43,9 @@ from launch.prepare import resolve_data, resolve_target  # noqa: E402
 
 DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
 K = 7  # draft tokens per step for every drafter and baseline
-# Full run: steps per drafter, sized to ~30 min of training on 2 cores from the measured step rates
-# (docs/quality.md): eagle3 ~2 s/step with its feature waits, 2-layer dspark ~4 s/step, 5 layers ~2.5x that.
+# Full run: steps per drafter, sized to ~30 min of training on 2 cores from the step rates measured since Muon
+# orthogonalises in fp32 on CPU (docs/quality.md): 5-layer dflash ~3.2 s/step on a quiet machine, eagle3 ~1.2 s/step.
+# dflash2 and dspark add a ranker / confidence heads to the same 5 layers; their 5-layer rates are not measured yet.
 FULL_STEPS = {"dflash": 500, "dflash2": 450, "dspark": 400, "eagle3": 900}
 MTP_STEPS = 200  # tiny-qwen3-next: a small hybrid target, ~1 s per MTP step
 QUICK = {"rows": 400, "heldout_rows": 16, "steps": 12}
