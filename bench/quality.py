@@ -45,7 +45,8 @@ DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
 K = 7  # draft tokens per step for every drafter and baseline
 # Full run: steps per drafter, sized to ~30 min of training on 2 cores from the step rates measured since Muon
 # orthogonalises in fp32 on CPU (docs/quality.md): 5-layer dflash ~3.2 s/step on a quiet machine, eagle3 ~1.2 s/step.
-# dflash2 and dspark add a ranker / confidence heads to the same 5 layers; their 5-layer rates are not measured yet.
+# dflash2 and dspark (a ranker / confidence heads on the same 5 layers) measured ~4.6 s/step quiet, evals included:
+# their 450 and 400 steps take ~34 and ~31 min, a little over the 30.
 FULL_STEPS = {"dflash": 500, "dflash2": 450, "dspark": 400, "eagle3": 900}
 MTP_STEPS = 200  # tiny-qwen3-next: a small hybrid target, ~1 s per MTP step
 QUICK = {"rows": 400, "heldout_rows": 16, "steps": 12}
