@@ -21,8 +21,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m launch.demo
 
+# Two pytest-xdist workers, whole modules each (module-scoped engines stay shared): most of a test's time is one
+# process starting (an engine, a trainer), so two at once fill the two cores. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 clean-cache:
 	rm -rf .cache/specdistill

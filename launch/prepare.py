@@ -8,6 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from launch.build_lock import build_lock
 from launch.config import DataConfig, TargetConfig
 from launch.corpus_workload import CorpusWorkload, make_corpus_workload
 from launch.small_real import ASSET_DIR as SMALL_REAL_DIR
@@ -63,6 +64,13 @@ def resolve_data(cfg: DataConfig, target_dir: Path, cache_dir: Path) -> tuple[Pa
     train, heldout = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
     if train.is_file() and heldout.is_file():
         return train, heldout
+    with build_lock(out_dir):  # concurrent runs sharing the cache wait for one generator
+        if train.is_file() and heldout.is_file():
+            return train, heldout
+        return _make_data(cfg, target_dir, out_dir)
+
+
+def _make_data(cfg: DataConfig, target_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     if cfg.source == "corpus":
         return make_corpus_workload(target_dir, out_dir, CorpusWorkload(
             rows=cfg.rows, heldout_rows=cfg.heldout_rows, prompt_min_tokens=cfg.prompt_min_tokens,

@@ -38,6 +38,7 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
+from launch.build_lock import build_lock
 from launch.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf, save_tokenizer, workload_tokenizer
 from launch.workload import generate_rows
 
@@ -233,24 +234,23 @@ def is_complete(target_dir: Path) -> bool:
 
 
 def ensure_target(name: str, cache_dir: str | Path) -> Path:
-    """cache_dir/name, built once. Built in a temp dir beside it then renamed, so a crash leaves no half checkpoint."""
+    """cache_dir/name, built once. Built in a temp dir beside it then renamed, so a crash leaves no half checkpoint;
+    concurrent callers wait for one builder (launch/build_lock.py)."""
     get_spec(name)
     final = Path(cache_dir) / name
     if is_complete(final):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
-    try:
-        make_target(name, scratch)
-        if final.exists():  # an incomplete leftover from an older layout; never a finished build
-            shutil.rmtree(final)
+    with build_lock(final):
+        if is_complete(final):  # built while this process waited
+            return final
+        scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
         try:
+            make_target(name, scratch)
+            if final.exists():  # an incomplete leftover (a crash before the rename, an older layout)
+                shutil.rmtree(final)
             os.rename(scratch, final)
-        except OSError:
-            if not is_complete(final):  # lost a race to a concurrent builder only if theirs is complete
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return final
 
 

@@ -16,8 +16,12 @@ import torch  # noqa: E402
 
 # Inherited by every process a test starts (subprocesses, vLLM engines, feature workers, Ray's raylet and its
 # workers), so the guard below finds exactly this session's processes and no one else's.
+# Under pytest-xdist (`make test` runs two workers) each worker is its own session: the mark names the worker too,
+# so a worker's guard never takes the other worker's engines and runs for leftovers.
 SESSION_MARK = "SPECDISTILL_TEST_SESSION"
-os.environ.setdefault(SESSION_MARK, uuid.uuid4().hex)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_mark = os.environ.get(SESSION_MARK) or uuid.uuid4().hex
+os.environ[SESSION_MARK] = _mark if not _WORKER or _mark.endswith(f"-{_WORKER}") else f"{_mark}-{_WORKER}"
 
 
 def _session_processes(since: float) -> list:
@@ -35,6 +39,21 @@ def _session_processes(since: float) -> list:
         except psutil.Error:
             continue
     return found
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: two workers, whole modules per worker) the modules that start vLLM engines
+    or run slow end-to-end jobs go first, so the run does not end with one worker on a long module while the other
+    idles. Order inside a module is kept; the Makefile turns off xdist's own reorder (by test count)."""
+    if not _WORKER:
+        return
+    module_of = {item: item.nodeid.split("::")[0] for item in items}
+    weight = dict.fromkeys(module_of.values(), 0)  # insertion order = collection order
+    for item, module in module_of.items():
+        marks = {m.name for m in item.iter_markers()}
+        weight[module] += 2 * ("vllm" in marks) + ("slow" in marks)
+    position = {module: i for i, module in enumerate(weight)}
+    items.sort(key=lambda item: (-weight[module_of[item]], position[module_of[item]]))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -88,8 +107,14 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One cache per session: each tiny target and workload is built once, shared by all tests."""
-    return tmp_path_factory.mktemp("specdistill-cache")
+    """One cache per test run: each tiny target and workload is built once, shared by all tests and, under
+    pytest-xdist, by all workers (their base temp dirs share a parent; launch/build_lock.py makes the second
+    worker wait for the first's build instead of fitting the same target again)."""
+    if not _WORKER:
+        return tmp_path_factory.mktemp("specdistill-cache")
+    shared = tmp_path_factory.getbasetemp().parent / "specdistill-cache"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")

@@ -161,10 +161,11 @@ def test_out_of_range_layer_ids_raise_before_engine_start(tiny_llama, layer_ids)
 
 def _handoff_files() -> set[str]:
     """Files a file-based hand-off would leave: the stock connector's per-request safetensors + lock files (its
-    default directory is /tmp) and any scratch directory of ours in /dev/shm."""
-    found = set()
-    for root in ("/dev/shm", "/tmp"):
-        for pattern in ("*.safetensors", "*.safetensors.lock", "*specdistill*", "*-hs-*"):
+    default directory is /tmp) and any scratch directory in /dev/shm. Test temp dirs (/tmp/pytest-of-*) are left
+    out: under pytest-xdist the other worker writes checkpoints and exports there meanwhile."""
+    found = {p for p in glob.glob("/dev/shm/*") if os.path.isdir(p)}
+    for root in ["/dev/shm", *(p for p in glob.glob("/tmp/*") if not os.path.basename(p).startswith("pytest-of-"))]:
+        for pattern in ("*.safetensors", "*.safetensors.lock", "*-hs-*"):
             found.update(glob.glob(os.path.join(root, "**", pattern), recursive=True))
     return found
 

@@ -2,6 +2,9 @@
 
 import json
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -128,10 +131,30 @@ def test_ensure_target_builds_once_and_atomically(tmp_path, monkeypatch):
     monkeypatch.setattr(targets, "make_target", fake_make)
     with pytest.raises(RuntimeError, match="boom"):
         ensure_target("tiny-llama", tmp_path)
-    assert os.listdir(tmp_path) == []  # no half checkpoint, no temp dir left behind
+    assert os.listdir(tmp_path) == [".tiny-llama.lock"]  # no half checkpoint, no temp dir left behind
     path = ensure_target("tiny-llama", tmp_path)
     assert path == tmp_path / "tiny-llama" and targets.is_complete(path)
     assert ensure_target("tiny-llama", tmp_path) == path and len(calls) == 2  # reused, not rebuilt
+
+
+def test_concurrent_callers_wait_for_one_build(tmp_path, monkeypatch):
+    """Two callers at once (two test workers, two runs sharing a cache): one builds, the other waits and reuses
+    it, and neither sees the checkpoint replaced under it."""
+    calls, started = [], threading.Event()
+
+    def slow_make(name, out_dir, fit_steps=None):
+        calls.append(name)
+        started.set()
+        time.sleep(0.5)  # the second caller arrives mid-build
+        return make_target(name, out_dir, fit_steps=0)
+
+    monkeypatch.setattr(targets, "make_target", slow_make)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(ensure_target, "tiny-llama", tmp_path)
+        started.wait(30)
+        second = pool.submit(ensure_target, "tiny-llama", tmp_path)
+        assert first.result() == second.result() == tmp_path / "tiny-llama"
+    assert calls == ["tiny-llama"] and targets.is_complete(tmp_path / "tiny-llama")
 
 
 @pytest.mark.slow
