@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m launch.demo
+	$(PY) -m bench.demo
 
 # Two pytest-xdist workers, whole modules each (module-scoped engines stay shared): most of a test's time is one
 # process starting (an engine, a trainer), so two at once fill the two cores. TEST_WORKERS=0 runs in one process.

@@ -9,12 +9,18 @@
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from core.run_dir import RunDir
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.prompts import read_prompts  # noqa: E402
+from bench.vllm_acceptance import identical_prefixes, served_vs_offline  # noqa: E402
+from core.run_dir import RunDir  # noqa: E402
 
 RUN_DIR = Path("outputs/demo")
 # The embedded default (conf/config.yaml) with a drafter sized for 2 cores: the production DFlash
@@ -44,9 +50,6 @@ def train() -> dict:
 
 
 def served(m: dict) -> dict:
-    from bench.prompts import read_prompts
-    from bench.vllm_acceptance import identical_prefixes, served_vs_offline
-
     heldout = _heldout_path(m)
     prompts, stages = read_prompts(heldout, None, SERVED_PROMPTS)
     tokens = min(MAX_SERVED_TOKENS, *_response_lengths(heldout, SERVED_PROMPTS))
