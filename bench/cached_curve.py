@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizers.set_step(step)
             out = drafter(batch, head, generator)
             out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-            optimizers.step()
-            optimizers.zero_grad()
+            optimizers.clip_step_and_zero(drafter.parameters(), cfg.grad_clip)
             seconds += time.perf_counter() - started
             window.add(out)
             step += 1

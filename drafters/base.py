@@ -61,6 +61,14 @@ class Drafter(nn.Module, ABC):
         distribution). Default: `target_layer_ids`."""
         return list(self.target_layer_ids)
 
+    def adamw_matrices(self) -> list[nn.Parameter]:
+        """2-D parameters that are not hidden-layer maps, trained by AdamW instead of Muon (trainer.muon_scope):
+        torch.optim.Muon is meant for hidden-layer matrices. Its orthogonalised update has a fixed size whatever
+        the gradient and spreads over every row, so a token table would move the rows of tokens the batch never
+        saw, and a zero-initialised dynamic gate drifts away from identity (docs/quality.md, "Muon on tables,
+        heads and gates"). Default: every nn.Embedding's table; drafters add vocabulary heads and such gates."""
+        return [m.weight for m in self.modules() if isinstance(m, nn.Embedding) and m.weight.requires_grad]
+
     @abstractmethod
     def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator) -> StepOutput:
         """Loss and metrics on one packed batch."""

@@ -172,6 +172,13 @@ class DFlash2Drafter(DFlashDrafter):
         return DFlash2DecoderLayer(self.shape, self.block_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
     # --- training ---------------------------------------------------------------------------------
+    def adamw_matrices(self) -> list[nn.Parameter]:
+        """+ the selector's token codebooks and the convolutions' zero-initialised (identity) dynamic projections."""
+        selector = self.candidate_selector
+        convs = [conv for layer in self.layers for conv in (layer.attention_conv, layer.mlp_conv)]
+        return [*super().adamw_matrices(), selector.predecessor_codebook, selector.successor_codebook,
+                *(conv.kernel_projection.weight for conv in convs)]
+
     def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator):
         return self.block_loss(batch, head, self.select_anchors(batch, generator))
 

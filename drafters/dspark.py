@@ -126,6 +126,14 @@ class DSparkDrafter(DFlashDrafter):
     def num_speculative_tokens(self) -> int:
         return self.block_size - self.first_slot
 
+    def adamw_matrices(self) -> list[nn.Parameter]:
+        """+ the Markov head's vocabulary projection and the confidence head's one-logit projection (its token
+        table markov_w1 is an nn.Embedding, in the default)."""
+        heads = [self.markov_head.markov_w2.weight] if self.markov_head is not None else []
+        if self.confidence_head is not None:
+            heads.append(self.confidence_head.proj.weight)
+        return [*super().adamw_matrices(), *heads]
+
     # --- heads ------------------------------------------------------------------------------------
     def draft_rows(self, batch: PackedBatch, anchors_N: torch.Tensor):
         """Per draft slot [N, K]: which rows carry loss, the target state each learns, and the Markov input

@@ -13,8 +13,12 @@ class TrainerConfig:
     # CPU threads of each trainer rank; None: on CPU, the node's cores split over its ranks (trainer/layout.py
     # cpu_threads); on CUDA, torch's default.
     threads: int | None = None
-    lr: float = 3e-3  # AdamW (norms, biases, vectors)
+    lr: float = 3e-3  # AdamW (norms, biases, vectors; token tables, vocabulary heads, dynamic gates)
     muon_lr: float = 0.02  # torch.optim.Muon for 2-D weight matrices
+    # hidden: Muon for hidden-layer matrices, AdamW for the drafter's token tables, vocabulary heads and dynamic
+    # gates (Drafter.adamw_matrices; docs/quality.md "Muon on tables, heads and gates") | all: Muon for every 2-D
+    # parameter (the behaviour before; an ablation)
+    muon_scope: str = "hidden"
     weight_decay: float = 0.0
     warmup_steps: int = 10
     final_lr_fraction: float = 0.1  # linear decay to lr * this at max_steps

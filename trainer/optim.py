@@ -1,4 +1,5 @@
-"""Muon for 2-D weight matrices, AdamW for everything else, one linear warm-up/decay schedule."""
+"""Muon for hidden-layer weight matrices, AdamW for everything else (vectors, and the token tables, vocabulary heads
+and dynamic gates a drafter declares in adamw_matrices), one linear warm-up/decay schedule."""
 
 import torch
 from torch import nn
@@ -6,7 +7,11 @@ from torch.distributed.tensor import DTensor, Replicate
 # torch.optim.Muon's own Newton-Schulz and lr scaling: on CUDA GatheredMuon takes exactly its steps.
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
+from drafters.base import Drafter
 from trainer.config import TrainerConfig
+
+
+MUON_SCOPES = ("hidden", "all")
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:
@@ -87,8 +92,12 @@ class Optimizers:
 
     def __init__(self, model: nn.Module, cfg: TrainerConfig):
         params = [p for p in model.parameters() if p.requires_grad]
-        matrices = [p for p in params if p.ndim == 2]
-        others = [p for p in params if p.ndim != 2]
+        if cfg.muon_scope not in MUON_SCOPES:
+            raise ValueError(f"trainer.muon_scope={cfg.muon_scope!r} is not one of {MUON_SCOPES}")
+        hidden_only = cfg.muon_scope == "hidden" and isinstance(model, Drafter)  # a plain module: every matrix
+        not_hidden = {id(p) for p in model.adamw_matrices()} if hidden_only else set()
+        matrices = [p for p in params if p.ndim == 2 and id(p) not in not_hidden]
+        others = [p for p in params if p.ndim != 2 or id(p) in not_hidden]
         self.cfg = cfg
         self.optimizers: list[torch.optim.Optimizer] = []
         if matrices:
@@ -114,4 +123,11 @@ class Optimizers:
     def zero_grad(self) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+
+    def clip_step_and_zero(self, parameters, grad_clip: float) -> None:
+        """The end of every optimizer step (the trainer's and bench/cached_curve.py's): clip the gradients' global
+        norm to trainer.grad_clip, step both optimizers, zero the gradients."""
+        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+        self.step()
+        self.zero_grad()
 

@@ -222,9 +222,7 @@ class Trainer:
             self.window.add(out)
             self.totals.add(out)
             self.since_validation.add(out)
-        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
-        self.optimizers.step()
-        self.optimizers.zero_grad()
+        self.optimizers.clip_step_and_zero(self.drafter.parameters(), self.cfg.grad_clip)
         state.step += 1
         state.last_loss = sum(losses) / len(losses)
         state.train_seconds += time.perf_counter() - started

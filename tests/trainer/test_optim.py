@@ -1,5 +1,9 @@
+import pytest
 import torch
 
+from core.target import TargetInfo
+from drafters.dflash2 import DFlash2Config, DFlash2Drafter
+from drafters.dspark import DSparkConfig, DSparkDrafter
 from trainer.config import TrainerConfig
 from trainer.optim import Optimizers, lr_factor
 
@@ -17,6 +21,36 @@ def test_muon_takes_matrices_adamw_the_rest():
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
     assert all(p.ndim == 2 for g in muon.param_groups for p in g["params"])
     assert all(p.ndim == 1 for g in adamw.param_groups for p in g["params"])
+
+
+@pytest.mark.parametrize("scope", ["hidden", "all"])
+def test_token_tables_heads_and_dynamic_gates_go_to_adamw(tiny_llama_dir, scope):
+    """muon_scope=hidden: DFlash 2's selector codebooks and convolution projections, DSpark's Markov table and
+    heads are AdamW's; every hidden-layer matrix stays Muon's. muon_scope=all: Muon takes every matrix."""
+    info = TargetInfo.load(tiny_llama_dir)
+    cfg = TrainerConfig(muon_scope=scope)
+    small = dict(num_layers=2, target_layer_ids=[1, 2, 3], sliding_window=None, max_anchors=64)
+    for drafter, expected in (
+            (DFlash2Drafter(DFlash2Config(**small, selector_rank=16), info, 3),
+             {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+              *(f"layers.{i}.{c}_conv.kernel_projection.weight" for i in range(2) for c in ("attention", "mlp"))}),
+            (DSparkDrafter(DSparkConfig(**small), info, 3),
+             {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"})):
+        muon, adamw = Optimizers(drafter, cfg).optimizers
+        names = {id(p): n for n, p in drafter.named_parameters()}
+        in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+        in_adamw_2d = {names[id(p)] for g in adamw.param_groups for p in g["params"] if p.ndim == 2}
+        matrices = {n for n, p in drafter.named_parameters() if p.ndim == 2 and p.requires_grad}
+        if scope == "hidden":
+            assert in_adamw_2d == expected and in_muon == matrices - expected
+            assert "layers.0.self_attn.q_proj.weight" in in_muon
+        else:
+            assert in_adamw_2d == set() and in_muon == matrices
+
+
+def test_an_unknown_muon_scope_is_an_error():
+    with pytest.raises(ValueError, match="trainer.muon_scope='some'"):
+        Optimizers(torch.nn.Linear(4, 4), TrainerConfig(muon_scope="some"))
 
 
 def test_muon_on_cpu_is_torchs_iteration_in_fp32():
