@@ -45,8 +45,9 @@ DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
 K = 7  # draft tokens per step for every drafter and baseline
 # Full run: steps per drafter, sized to ~30 min of training on 2 cores from the step rates measured since Muon
 # orthogonalises in fp32 on CPU (docs/quality.md): 5-layer dflash ~3.2 s/step on a quiet machine, eagle3 ~1.2 s/step.
-# dflash2 and dspark (a ranker / confidence heads on the same 5 layers) measured ~4.6 s/step quiet, evals included:
-# their 450 and 400 steps take ~34 and ~31 min, a little over the 30.
+# dflash2 and dspark measured ~4.7 s/step quiet (held-out walks included; 450 / 400 steps ~35 / ~31 min), but the same
+# runs took 5.7 / 6.4 s/step on another day on the same machine (no feature waiting; the zero-state ablation, the same
+# compute, 4.5 vs 5.7 s): their curves (metrics.json heldout_curve, the PNG) show where each stands at 30 minutes.
 FULL_STEPS = {"dflash": 500, "dflash2": 450, "dspark": 400, "eagle3": 900}
 MTP_STEPS = 200  # tiny-qwen3-next: a small hybrid target, ~1 s per MTP step
 QUICK = {"rows": 400, "heldout_rows": 16, "steps": 12}
