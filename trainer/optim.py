@@ -130,4 +130,3 @@ class Optimizers:
         torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
         self.step()
         self.zero_grad()
-
