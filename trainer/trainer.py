@@ -329,7 +329,7 @@ class Trainer:
         drafter = self._unsharded_drafter()  # a collective under fsdp: every rank calls it
         if not self.dist.is_main or self.validator is None:
             return
-        point = self.validator.run(drafter, self.head, state.step, state.train_tokens,
+        point = self.validator.run(drafter, self.head, state.step, state.train_tokens, state.train_seconds,
                                    self.since_validation.tau_estimate)
         self.since_validation = StepMetrics(self.drafter.num_speculative_tokens)
         log.info("step %d held-out tau %.3f (a_1 %.3f), on training rows %s, best %.3f at step %d", state.step,

@@ -52,11 +52,15 @@ class Validator:
     def walk(self, drafter, head, samples, stages=None):
         return evaluate_as_served(drafter, head, samples, self.layer_ids, self.device, stages=stages)
 
-    def run(self, drafter, head, step: int, train_tokens: int, train_tau_estimate: float) -> dict:
-        """Walk held-out and probe rows now; record the point; keep the weights if they are the best so far."""
+    def run(self, drafter, head, step: int, train_tokens: int, train_seconds: float,
+            train_tau_estimate: float) -> dict:
+        """Walk held-out and probe rows now; record the point; keep the weights if they are the best so far.
+        train_seconds: time spent in training steps so far (no feature waits, no walks), so a curve can be read
+        at a time budget ("held-out tau after 30 minutes of training")."""
         heldout = self.walk(drafter, head, self.heldout).total
         probe = self.walk(drafter, head, self.probe).total if self.probe else None
-        point = {"step": step, "train_tokens": train_tokens, "heldout_tau": heldout.tau,
+        point = {"step": step, "train_tokens": train_tokens, "training_seconds": train_seconds,
+                 "heldout_tau": heldout.tau,
                  "heldout_per_position": heldout.per_position,
                  "train_rows_tau": probe.tau if probe else None,
                  "gap": (probe.tau - heldout.tau) if probe else None,

@@ -42,6 +42,8 @@ def test_held_out_curve_best_export_and_resume_keep_the_best(data, tmp_path):
     metrics = trainer.train()
     curve = metrics["heldout_curve"]
     assert [p["step"] for p in curve] == [0, 2, 4, 6]  # step 0: the untrained drafter
+    seconds = [p["training_seconds"] for p in curve]  # time in training steps when each point was taken
+    assert seconds[0] == 0 and seconds == sorted(seconds) and seconds[-1] <= metrics["training_seconds"]
     for point in curve:
         assert point["train_rows_tau"] is not None and point["gap"] == pytest.approx(
             point["train_rows_tau"] - point["heldout_tau"])
