@@ -47,7 +47,7 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
     import torch
     from transformers import AutoTokenizer
 
-    from feature_server.dataset import load_rows
+    from data.formats import load_rows
     from feature_server.config import FeatureServerConfig
     from feature_server.server import FeatureServer
     from evaluation.acceptance import stages_by_row_id

@@ -32,7 +32,7 @@ from core.contract import FeatureSample, FeatureSpec  # noqa: E402
 from core.target import TargetHead, TargetInfo  # noqa: E402
 from drafters import build_drafter, drafter_config  # noqa: E402
 from evaluation.served import evaluate_as_served  # noqa: E402
-from feature_server.dataset import load_rows  # noqa: E402
+from data.formats import load_rows  # noqa: E402
 from feature_server.hf_backend import HFBackend  # noqa: E402
 from launch.config import DataConfig, TargetConfig  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402

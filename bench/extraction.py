@@ -17,7 +17,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from core.contract import FeatureSpec  # noqa: E402
 from feature_server.backends import build_backend  # noqa: E402
-from feature_server.dataset import load_rows  # noqa: E402
+from data.formats import load_rows  # noqa: E402
 from launch.config import DataConfig, TargetConfig  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402
 

@@ -40,7 +40,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from bench.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
 from core.run_dir import RunDir  # noqa: E402
-from feature_server.dataset import load_rows  # noqa: E402
+from data.formats import load_rows  # noqa: E402
 from launch.config import DataConfig, TargetConfig  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402
 

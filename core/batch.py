@@ -7,6 +7,7 @@ drafter's attention mask can keep documents from seeing each other.
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from core.contract import FeatureSample
@@ -69,3 +70,63 @@ def pack_stream(
         used += n
     if buffer:
         yield pack(buffer, layer_ids)
+
+
+class PackAssembler:
+    """Builds planned packs (data/packing.py) from samples that arrive in any order.
+
+    `rows` is the stream in plan order and `pack_sizes` how many consecutive rows of it form each pack. A sample is
+    copied into its pack's buffer the moment it arrives (so its shared-memory region is free again at once, whatever
+    the other rows of its pack are doing); `add` returns the pack its row completed, else None.
+    """
+
+    def __init__(self, rows, pack_sizes: list[int], layer_ids: tuple[int, ...]):
+        self.rows, self.layer_ids = rows, layer_ids
+        ends = np.cumsum(pack_sizes, dtype=np.int64)
+        self._pack_of = np.repeat(np.arange(len(pack_sizes)), pack_sizes)  # position -> pack
+        self._first = ends - np.asarray(pack_sizes, dtype=np.int64)  # pack -> its first position
+        self._sizes = np.asarray(pack_sizes, dtype=np.int64)
+        lengths = np.asarray(rows.num_tokens, dtype=np.int64)
+        before = np.concatenate([[0], np.cumsum(lengths)])  # tokens before each position in the stream
+        self._start = before[:-1] - before[self._first[self._pack_of]]  # position -> token offset inside its pack
+        self._pack_tokens = np.add.reduceat(lengths, self._first) if len(lengths) else np.zeros(0, np.int64)
+        self._open: dict[int, dict] = {}  # pack -> buffers and rows arrived
+        self.packs_done = 0
+
+    @property
+    def open_packs(self) -> int:
+        return len(self._open)
+
+    def add(self, sample: FeatureSample) -> "PackedBatch | None":
+        position = self.rows.position_of(sample.row_id)
+        p = int(self._pack_of[position])
+        pack = self._open.get(p) or self._new_pack(p, sample)
+        a, n = int(self._start[position]), sample.input_ids_T.shape[0]
+        pack["input_ids_T"][a:a + n] = sample.input_ids_T
+        pack["loss_mask_T"][a:a + n] = sample.loss_mask_T
+        pack["hidden_TLD"][a:a + n] = sample.hidden_TLD
+        pack["arrived"] += 1
+        if pack["arrived"] < self._sizes[p]:
+            return None
+        del self._open[p]
+        self.packs_done += 1
+        return self._finish(p, pack)
+
+    def _new_pack(self, p: int, sample: FeatureSample) -> dict:
+        T = int(self._pack_tokens[p])
+        _, L, D = sample.hidden_TLD.shape
+        pack = {"input_ids_T": torch.empty(T, dtype=torch.int64), "loss_mask_T": torch.empty(T, dtype=torch.bool),
+                "hidden_TLD": torch.empty(T, L, D, dtype=sample.hidden_TLD.dtype), "arrived": 0}
+        self._open[p] = pack
+        return pack
+
+    def _finish(self, p: int, pack: dict) -> PackedBatch:
+        positions = np.arange(self._first[p], self._first[p] + self._sizes[p])
+        lengths = torch.from_numpy(np.asarray(self.rows.num_tokens)[positions].astype(np.int64))
+        return PackedBatch(
+            input_ids_T=pack["input_ids_T"], loss_mask_T=pack["loss_mask_T"], hidden_TLD=pack["hidden_TLD"],
+            document_ids_T=torch.repeat_interleave(torch.arange(len(lengths)), lengths),
+            position_ids_T=torch.cat([torch.arange(int(n)) for n in lengths]),
+            layer_ids=self.layer_ids,
+            row_ids=tuple(int(r) for r in np.asarray(self.rows.row_ids)[positions]),
+        )

@@ -28,11 +28,11 @@ Suffixes: T packed tokens, S drafter pairs, N chains (anchors), D hidden, H/d he
 """
 
 import json
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -40,6 +40,7 @@ from torch import nn
 
 from core.batch import PackedBatch
 from core.contract import FeatureSpec, TokenizedRow
+from core.rows import as_rows
 from core.target import RMSNorm, TargetHead, TargetInfo
 from drafters.base import Drafter, StepOutput, export_dtype, speculators_block
 from drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
@@ -81,14 +82,15 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
     return sorted({round(1 + i * (L - 2) / 2) for i in range(3)})
 
 
-def build_draft_vocab(rows: Sequence[TokenizedRow], size: int) -> torch.Tensor:
+def build_draft_vocab(rows: Sequence[TokenizedRow], size: int, vocab_size: int | None = None) -> torch.Tensor:
     """Target ids of the draft vocabulary [size], ascending: the `size` most frequent response tokens (ties to the
     lower id); when fewer distinct ones exist, all of them, padded with the lowest unused ids so the shape never
     depends on the data (speculators' build_vocab_mappings_from_distribution). Deterministic in `rows`."""
-    counts: Counter[int] = Counter()
-    for row in rows:
-        counts.update(t for t, m in zip(row.input_ids, row.loss_mask) if m)
-    chosen = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    rows = as_rows(rows)
+    vocab = vocab_size or 1 + max((max(r.input_ids) for r in rows), default=0)
+    counts_V = rows.response_token_counts(vocab)  # vectorised over a token store (core/rows.py)
+    seen = np.flatnonzero(counts_V)
+    chosen = seen[np.lexsort((seen, -counts_V[seen]))][:size].tolist()  # most frequent first, ties to the lower id
     taken, pad = set(chosen), iter(range(size + len(chosen)))
     while len(chosen) < size:
         t = next(pad)
@@ -201,7 +203,7 @@ class Eagle3Drafter(Drafter):
 
     def prepare(self, rows: Sequence[TokenizedRow]) -> None:
         """Draft vocabulary from the training rows' response tokens; lm_head = the target's rows for it."""
-        draft_ids = build_draft_vocab(rows, self.draft_vocab_size).to(self.d2t.device)
+        draft_ids = build_draft_vocab(rows, self.draft_vocab_size, self.target.vocab_size).to(self.d2t.device)
         self.d2t.copy_(draft_ids - torch.arange(self.draft_vocab_size, device=draft_ids.device))
         self.t2d.zero_()
         self.t2d[draft_ids] = True

@@ -108,7 +108,7 @@ class AcceptanceReport:
 
 
 def stages_by_row_id(path: str | Path) -> dict[int, str]:
-    """row_id (0-based line index, as feature_server.dataset.load_rows counts it) -> the row's "stage"."""
+    """row_id (0-based line index, as data.formats.load_rows counts it) -> the row's "stage"."""
     stages = {}
     with Path(path).open() as f:
         for row_id, line in enumerate(f):

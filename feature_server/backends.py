@@ -26,7 +26,10 @@ class FeatureBackend(ABC):
     """Built once per worker process. `extract` returns, per row, hidden_TLD = [T, len(spec.layer_ids), D]
     in spec.hidden_dtype on CPU, layers in spec.layer_ids order (vLLM layer-id convention, see core/contract.py)."""
 
-    def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | None = None):
+    def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | None = None,
+                 batch_tokens: int | None = None, max_row_tokens: int | None = None):
+        # batch_tokens: tokens per prefill call a batching backend may run at once; max_row_tokens: the longest row
+        # it will be handed (None = the target's context). A backend that prefills row by row ignores both.
         self.target_dir = target_dir
         self.spec = spec
         self.device = device
@@ -79,6 +82,8 @@ def check_row(row: TokenizedRow, vocab_size: int) -> None:
         raise ValueError(f"row {row.row_id}: no tokens")
     if len(row.loss_mask) != T:
         raise ValueError(f"row {row.row_id}: loss_mask has {len(row.loss_mask)} entries, input_ids has {T}")
+    if 0 <= min(row.input_ids) and max(row.input_ids) < vocab_size:
+        return
     bad = [t for t in row.input_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"row {row.row_id}: token ids {bad[:5]} outside the target vocabulary [0, {vocab_size})")
@@ -94,6 +99,7 @@ def resolve_backend(name: str) -> type[FeatureBackend]:
     return cls
 
 
-def build_backend(name: str, target_dir: str, spec: FeatureSpec, device: str = "cpu",
-                  dtype: str | None = None) -> FeatureBackend:
-    return resolve_backend(name)(target_dir, spec, device=device, dtype=dtype)
+def build_backend(name: str, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | None = None,
+                  batch_tokens: int | None = None, max_row_tokens: int | None = None) -> FeatureBackend:
+    return resolve_backend(name)(target_dir, spec, device=device, dtype=dtype, batch_tokens=batch_tokens,
+                                 max_row_tokens=max_row_tokens)

@@ -11,6 +11,9 @@ class FeatureServerConfig:
     workers: int = 6  # feature workers per node, split evenly over its trainer ranks (trainer/layout.py)
     threads_per_worker: int = 1
     capacity_mb: int = 256  # shared-memory bytes in flight before workers block
+    # Tokens a worker hands the target per prefill call (as many whole rows as fit; a longer row goes alone): six
+    # of the mission's ~5k-token rows per vLLM generate call, so prefill runs batched (docs/scaling.md).
+    batch_tokens: int = 32768
     hidden_dtype: str = DEFAULT_HIDDEN_DTYPE  # what crosses to the trainer (core/contract.py)
     device: str = "cpu"  # auto | cpu | cuda: where the target runs (trainer/layout.py assigns GPU indices)
     dtype: str | None = None  # target compute dtype; None = the checkpoint's

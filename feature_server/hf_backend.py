@@ -30,8 +30,9 @@ class _StopForward(Exception):
 
 
 class HFBackend(FeatureBackend):
-    def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | None = None):
-        super().__init__(target_dir, spec, device, dtype)
+    def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | None = None,
+                 batch_tokens: int | None = None, max_row_tokens: int | None = None):
+        super().__init__(target_dir, spec, device, dtype)  # one row per forward: no batch, no engine context
         config = _load_config(target_dir)
         text_config = config.get_text_config()
         self._num_layers = text_config.num_hidden_layers

@@ -4,8 +4,9 @@ The supervisor of the worker processes. Per trainer rank, `workers` spawned proc
 backend (backends.py) and prefill the rows they are handed, publishing FeatureSamples through a ShmChannel
 (tensors in /dev/shm, metadata on the control queue). Row i of `rows` belongs to rank i % num_ranks (before
 skipping; ledger.py shard_rows), so torchrun ranks see disjoint data and a resumed run keeps the same assignment.
-Within a rank, rows are handed out dynamically, a few at a time per worker, so a slow worker does not hold the
-others back.
+Within a rank, rows are handed out dynamically, round-robin, until each worker holds `2 * batch_tokens` tokens
+(one prefill batch in the engine, the next one waiting), so a slow worker does not hold the others back; a worker
+hands the engine as many of its rows per call as fit `feature_server.batch_tokens` (worker.py).
 
 One server per run: the workers load the target once, then take stream after stream (`stream(rows)`: each epoch
 of training rows, the held-out rows) without restarting; an engine load of a large target happens once per worker
@@ -29,8 +30,10 @@ import weakref
 from collections.abc import Iterator, Sequence
 
 import multiprocessing as mp
+import numpy as np
 
 from core.contract import FeatureSample, FeatureSpec, TokenizedRow
+from core.rows import Rows, as_rows, check_unique_ids
 from feature_server.backends import BACKENDS
 from feature_server.config import FeatureServerConfig
 from feature_server.ledger import FeatureWorkerError, SampleLedger, shard_rows
@@ -54,8 +57,8 @@ class FeatureServer:
         the stall/load timeouts, as the run's `feature_server` settings give them (feature_server/config.py).
     devices: one per worker of this server ("cuda:3"); None = config.workers workers on config.device. A
         trainer rank passes its own workers' devices (trainer/layout.py), so config.workers stays per node.
-    batch_rows: rows per backend.extract call; each worker holds at most 2 * batch_rows rows at a time (what a
-        death puts back in the queue).
+    max_row_tokens: the longest row a stream will carry (the run's pack size): bounds the engine's context
+        (a vLLM engine sizes its cache and batch for it); None = the target's own context.
     skip_row_ids: rows already trained on (resume); skipping never moves a row to another rank.
     shm_prefix: file-name prefix; pass a stable one so a restart sweeps a crashed run's leftovers.
     max_worker_restarts: replacements started for workers that die, before the server gives up.
@@ -69,11 +72,11 @@ class FeatureServer:
     Workers die with the thread that started them (PR_SET_PDEATHSIG), so start it from a long-lived thread.
     """
 
-    def __init__(self, target_dir: str, spec: FeatureSpec, rows: Sequence[TokenizedRow] | None,
+    def __init__(self, target_dir: str, spec: FeatureSpec, rows: "Rows | Sequence[TokenizedRow] | None",
                  config: FeatureServerConfig,
                  *, devices: Sequence[str] | None = None, rank: int = 0, num_ranks: int = 1,
-                 skip_row_ids: frozenset[int] = frozenset(), batch_rows: int = 1, shm_prefix: str | None = None,
-                 max_worker_restarts: int = 3):
+                 skip_row_ids: frozenset[int] = frozenset(), max_row_tokens: int | None = None,
+                 shm_prefix: str | None = None, max_worker_restarts: int = 3):
         c = config
         if c.backend not in BACKENDS:
             raise ValueError(f"feature_server.backend={c.backend!r}; valid names: {sorted(BACKENDS)}")
@@ -81,10 +84,10 @@ class FeatureServer:
         if not devices or num_ranks < 1 or not 0 <= rank < num_ranks:
             raise ValueError(f"need >= 1 worker and 0 <= rank < num_ranks, got {len(devices)} workers, rank={rank}, "
                              f"num_ranks={num_ranks}")
-        if batch_rows < 1 or c.threads_per_worker < 1 or c.capacity_mb <= 0 or max_worker_restarts < 0:
-            raise ValueError(f"batch_rows ({batch_rows}), feature_server.threads_per_worker ({c.threads_per_worker}) "
-                             f"and feature_server.capacity_mb ({c.capacity_mb}) must be positive and "
-                             f"max_worker_restarts ({max_worker_restarts}) >= 0")
+        if c.batch_tokens < 1 or c.threads_per_worker < 1 or c.capacity_mb <= 0 or max_worker_restarts < 0:
+            raise ValueError(f"feature_server.batch_tokens ({c.batch_tokens}), feature_server.threads_per_worker "
+                             f"({c.threads_per_worker}) and feature_server.capacity_mb ({c.capacity_mb}) must be "
+                             f"positive and max_worker_restarts ({max_worker_restarts}) >= 0")
         if c.stall_timeout_s <= 0 or c.load_timeout_s <= 0:
             raise ValueError(f"feature_server.stall_timeout_s ({c.stall_timeout_s}) and load_timeout_s "
                              f"({c.load_timeout_s}) must be positive")
@@ -92,13 +95,13 @@ class FeatureServer:
             raise ValueError(f"workers + max_worker_restarts must be <= {MAX_PRODUCERS}")
         self.spec, self.rank, self.num_ranks = spec, rank, num_ranks
         self._one_shot = rows is not None
-        self.rows = self._mine(rows or (), skip_row_ids, sharded=True)
+        self.rows = self._mine(rows if rows is not None else (), skip_row_ids, sharded=True)
         self._capacity_bytes = max(1, int(c.capacity_mb * 2**20))
         self._shm_prefix = shm_prefix
-        self._config, self._target_dir, self._batch_rows = c, str(target_dir), batch_rows
+        self._config, self._target_dir, self._max_row_tokens = c, str(target_dir), max_row_tokens
         self._parent_pid = os.getpid()  # the workers' parent: they exit when it dies
         self._devices = devices
-        self._prefetch = 2 * batch_rows
+        self._prefetch_tokens = 2 * c.batch_tokens
         self._restarts_left = max_worker_restarts
         self._ledger = SampleLedger(spec, self.rows, stream=0)
         self._streams = 0  # streams started; the current one's id
@@ -147,7 +150,8 @@ class FeatureServer:
         c = self._config
         args = WorkerArgs(worker=w, backend=c.backend, target_dir=self._target_dir, spec=self.spec,
                           device=self._devices[slot], dtype=c.dtype, threads=c.threads_per_worker,
-                          batch_rows=self._batch_rows, parent_pid=self._parent_pid, tasks=task_reader)
+                          batch_tokens=c.batch_tokens, max_row_tokens=self._max_row_tokens,
+                          parent_pid=self._parent_pid, tasks=task_reader)
         # Not daemonic: a vLLM backend spawns its own engine processes, which daemons may not do.
         p = self._ctx.Process(target=worker_main, args=(args, self._channel.producer(w)), name=f"feature-worker-{w}")
         p.start()
@@ -220,7 +224,7 @@ class FeatureServer:
         finally:
             self.close()
 
-    def stream(self, rows: Sequence[TokenizedRow], skip_row_ids: frozenset[int] = frozenset(),
+    def stream(self, rows: "Rows | Sequence[TokenizedRow]", skip_row_ids: frozenset[int] = frozenset(),
                sharded: bool = True) -> Iterator[FeatureSample]:
         """One pass over `rows` (an epoch, a held-out set): this rank's share (all of them with sharded=False),
         minus skip_row_ids, each exactly once; the workers stay up for the next stream. One stream at a time."""
@@ -228,12 +232,20 @@ class FeatureServer:
             raise RuntimeError("stream() is for servers built with rows=None; iterate this one")
         return self._stream(self._mine(rows, skip_row_ids, sharded))
 
-    def _mine(self, rows, skip_row_ids, sharded: bool) -> list[TokenizedRow]:
-        _check_unique_ids(rows)
-        mine = shard_rows(rows, self.rank, self.num_ranks) if sharded else list(rows)
-        return [r for r in mine if r.row_id not in skip_row_ids]
+    def select(self, rows: "Rows | Sequence[TokenizedRow]", skip_row_ids: frozenset[int] = frozenset()) -> Rows:
+        """This rank's share of `rows` minus skip_row_ids, in order: what `stream(rows, skip_row_ids)` streams."""
+        return self._mine(rows, skip_row_ids, sharded=True)
 
-    def _stream(self, rows: list[TokenizedRow]) -> Iterator[FeatureSample]:
+    def _mine(self, rows, skip_row_ids, sharded: bool) -> Rows:
+        rows = as_rows(rows)
+        check_unique_ids(rows)
+        mine = shard_rows(rows, self.rank, self.num_ranks) if sharded else rows
+        if not skip_row_ids:
+            return mine
+        skip = np.fromiter(skip_row_ids, dtype=np.int64, count=len(skip_row_ids))
+        return mine.take(np.flatnonzero(~np.isin(mine.row_ids, skip)))
+
+    def _stream(self, rows: Rows) -> Iterator[FeatureSample]:
         if self._streaming:
             raise RuntimeError("a stream of this FeatureServer is still open; finish or close it first")
         self._begin_stream(rows)
@@ -253,7 +265,7 @@ class FeatureServer:
         finally:
             self._streaming = False
 
-    def _begin_stream(self, rows: list[TokenizedRow]) -> None:
+    def _begin_stream(self, rows: Rows) -> None:
         if not self._one_shot:  # a new ledger per stream; the finished one's counts are kept
             self._past["rows_reissued"] += self._ledger.reissued
             self._past["duplicates_dropped"] += self._ledger.duplicates_dropped
@@ -272,18 +284,28 @@ class FeatureServer:
                 "workers_stalled": len(self._stalled),
                 "rows_reissued": self._past["rows_reissued"] + self._ledger.reissued,
                 "duplicates_dropped": self._past["duplicates_dropped"] + self._ledger.duplicates_dropped,
-                "rows_lost": len(self._ledger.rows) - len(self._ledger.done),  # of the current (or last) stream
+                "rows_lost": len(self._ledger.rows) - self._ledger.num_done,  # of the current (or last) stream
                 "streams": self._streams, "engine_loads": sum(self._loads.values()),
                 "engine_loads_per_slot": dict(self._loads),
                 "per_worker": {w: dict(s) for w, s in self._per_worker.items()}}
 
     def _dispatch(self) -> None:
-        for w in sorted(self._live - self._stopping):
-            want = self._prefetch - self._ledger.outstanding(w)
-            if want > 0 and self._ledger.pending:
+        """Top every live worker up to `2 * batch_tokens` tokens in flight, one row at a time round-robin (a worker
+        with nothing in flight gets at least one row, however long)."""
+        tasks: dict[int, list[TokenizedRow]] = {}
+        hungry = [w for w in sorted(self._live - self._stopping)
+                  if self._ledger.outstanding_tokens(w) < self._prefetch_tokens]
+        while hungry and self._ledger.has_pending:
+            for w in list(hungry):
+                if not self._ledger.has_pending:
+                    break
                 if not self._ledger.outstanding(w):  # idle until now: its silence counts from here
                     self._heard[w] = time.monotonic()
-                self._send_task(w, (self._ledger.stream, tuple(self._ledger.assign(w, want))))
+                tasks.setdefault(w, []).extend(self._ledger.assign(w, 1))
+                if self._ledger.outstanding_tokens(w) >= self._prefetch_tokens:
+                    hungry.remove(w)
+        for w, rows in tasks.items():
+            self._send_task(w, (self._ledger.stream, tuple(rows)))
 
     def _send_task(self, w: int, task) -> None:
         try:
@@ -382,7 +404,7 @@ class FeatureServer:
         else:
             at = f"rows {reissued[:10]} undelivered" if reissued else "no row was in flight"
             raise FeatureWorkerError(f"{what}; no workers left and no restarts left; {at}, "
-                                     f"{len(self._ledger.rows) - len(self._ledger.done)} rows not done")
+                                     f"{len(self._ledger.rows) - self._ledger.num_done} rows not done")
         self._dispatch()
 
     def _accept(self, msg: Received) -> FeatureSample | None:
@@ -431,14 +453,6 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # the group is empty: nothing was left behind
-
-
-def _check_unique_ids(rows: Sequence[TokenizedRow]) -> None:
-    seen = set()
-    for r in rows:
-        if r.row_id in seen:
-            raise ValueError(f"row id {r.row_id} appears twice in rows; row ids must be unique")
-        seen.add(r.row_id)
 
 
 _LIVE: "weakref.WeakSet[FeatureServer]" = weakref.WeakSet()

@@ -158,8 +158,10 @@ def resolve_dtype(target_dir: str, dtype: str | torch.dtype | None) -> str:
 
 
 def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str,
-                             max_model_len: int) -> dict[str, Any]:
-    """vllm.LLM(...) kwargs for prefill-only hidden-state extraction at `layer_ids` (our convention = vLLM's)."""
+                             max_model_len: int, batch_tokens: int | None = None) -> dict[str, Any]:
+    """vllm.LLM(...) kwargs for prefill-only hidden-state extraction at `layer_ids` (our convention = vLLM's).
+    A scheduler step prefills as many whole requests as fit `max(batch_tokens, max_model_len)` tokens (chunked
+    prefill is off, so a step must hold the longest row whole)."""
     return dict(
         model=target_dir,
         dtype=dtype,
@@ -167,7 +169,7 @@ def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype:
         enable_chunked_prefill=False,
         enable_prefix_caching=False,
         max_model_len=max_model_len,
-        max_num_batched_tokens=max_model_len,
+        max_num_batched_tokens=max(max_model_len, batch_tokens or 0),
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -194,8 +196,10 @@ class VLLMBackend(FeatureBackend):
     """
 
     def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 max_model_len: int | None = None, **engine_kwargs: Any):
+                 max_model_len: int | None = None, batch_tokens: int | None = None, max_row_tokens: int | None = None,
+                 **engine_kwargs: Any):
         super().__init__(target_dir, spec, device=device, dtype=dtype)
+        max_model_len = max_model_len or max_row_tokens
         self._llm = None
         dtype = resolve_dtype(target_dir, dtype)
         config = _target_text_config(target_dir)
@@ -208,7 +212,8 @@ class VLLMBackend(FeatureBackend):
         _check_device(device)
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        kwargs = extraction_engine_kwargs(target_dir, spec.layer_ids, dtype, self.max_model_len)
+        self.batch_tokens = batch_tokens or self.max_model_len
+        kwargs = extraction_engine_kwargs(target_dir, spec.layer_ids, dtype, self.max_model_len, self.batch_tokens)
         kwargs.update(engine_kwargs)
         from vllm import LLM
 

@@ -2,9 +2,12 @@
 
 One spawned process per worker (feature_server/server.py starts and supervises them). It loads the target once
 and reports "ready", then takes (stream id, rows) tasks from its pipe, stream after stream (epochs, held-out sets),
-until the stop sentinel (None), publishing each row's sample through its ShmProducer with the stream id
-(`backend.publish`: the vLLM engine writes it into the ring in place, others copy it in), and "done"
-at the end; an exception is reported as "error" with the rows it was working on. Tasks come through a plain pipe,
+until the stop sentinel (None). It hands the backend as many of the rows it holds as fit `batch_tokens` per call
+(one batched prefill; a longer row goes alone), publishing each row's sample through its ShmProducer with the
+stream id (`backend.publish`: the vLLM engine writes it into the ring in place, others copy it in), and "done" at
+the end; an exception is reported as "error" with the rows it was working on. A reader thread drains the pipe
+into a local queue as tasks arrive: the server may send more task bytes than a pipe buffers while the engine is
+busy, and it must never block on a worker that is itself waiting for ring space. Tasks come through a plain pipe,
 not a multiprocessing Queue: a Queue's locks are named POSIX semaphores (/dev/shm/sem.mp-*), which a kill -9 of
 the run would leave behind. It dies with the trainer (PR_SET_PDEATHSIG) and runs in its own process group, so whatever it
 starts (a vLLM engine) can be killed with it.
@@ -13,10 +16,13 @@ starts (a vLLM engine) can be killed with it.
 import ctypes
 import faulthandler
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +43,8 @@ class WorkerArgs:
     device: str
     dtype: str | None
     threads: int
-    batch_rows: int
+    batch_tokens: int  # tokens per backend call (whole rows; a longer row goes alone)
+    max_row_tokens: int | None  # the longest row the streams carry (None: the target's context)
     parent_pid: int  # the trainer process: the worker exits when it dies
     tasks: object  # read end of a pipe: (stream id, row tuple) tasks; None = stop
 
@@ -61,19 +68,19 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
     _die_with_parent(args.parent_pid, channel.prefix)
     os.umask(0o077)  # whatever the backend writes is private to this user
     torch.set_num_threads(args.threads)
-    w, batch, backend = args.worker, [], None
+    batch, backend = [], None
     try:
         t0 = time.perf_counter()
         device = _pin_gpu(args.device)
-        backend = build_backend(args.backend, args.target_dir, args.spec, device=device, dtype=args.dtype)
+        backend = build_backend(args.backend, args.target_dir, args.spec, device=device, dtype=args.dtype,
+                                batch_tokens=args.batch_tokens, max_row_tokens=args.max_row_tokens)
         channel.send("ready", info={"num_hidden_layers": backend.num_hidden_layers,
                                                    "hidden_size": backend.hidden_size,
                                                    "load_s": time.perf_counter() - t0})
-        while (task := _next_task(args.tasks)) is not None:
-            stream, rows = task
-            for start in range(0, len(rows), args.batch_rows):
-                batch = rows[start: start + args.batch_rows]
-                backend.publish(list(batch), channel, {"stream": stream})
+        tasks = _TaskReader(args.tasks)
+        while (work := tasks.next_batch(args.batch_tokens)) is not None:
+            stream, batch = work
+            backend.publish(batch, channel, {"stream": stream})
             batch = []
         channel.send("done", info={"blocked_s": channel.blocked_seconds})
     except _Terminated:
@@ -95,12 +102,52 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
     channel.close()  # flush the control queue before the process exits
 
 
-def _next_task(tasks):
-    """The next (stream id, rows) task; None to stop, also when the server's end of the pipe is gone."""
-    try:
-        return tasks.recv()
-    except EOFError:
-        return None
+class _TaskReader:
+    """Drains the task pipe on a thread; hands out batches of the rows received so far."""
+
+    def __init__(self, conn):
+        self._conn, self._inbox = conn, queue.Queue()
+        self._held: deque = deque()  # (stream id, row), in arrival order
+        self._stopped = False
+        threading.Thread(target=self._read, name="task-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                task = self._conn.recv()
+            except (EOFError, OSError):  # the server's end is gone: stop
+                task = None
+            self._inbox.put(task)
+            if task is None:
+                return
+
+    def _take(self, block: bool) -> None:
+        try:
+            task = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        if task is None:
+            self._stopped = True
+        else:
+            stream, rows = task
+            self._held.extend((stream, row) for row in rows)
+
+    def next_batch(self, batch_tokens: int):
+        """(stream id, rows): the oldest held rows of one stream that fit batch_tokens (at least one row); None once
+        the stop sentinel came and every held row was handed out."""
+        while not self._held and not self._stopped:
+            self._take(block=True)
+        while not self._inbox.empty():  # everything already received joins the batch
+            self._take(block=False)
+        if not self._held:
+            return None
+        stream, batch, tokens = self._held[0][0], [], 0
+        while self._held and self._held[0][0] == stream and (not batch or
+                                                             tokens + self._held[0][1].num_tokens <= batch_tokens):
+            row = self._held.popleft()[1]
+            batch.append(row)
+            tokens += row.num_tokens
+        return stream, batch
 
 
 def _pin_gpu(device: str) -> str:

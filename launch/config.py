@@ -10,6 +10,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from data.config import DataConfig
 from drafters import DRAFTERS
 from feature_server.config import FeatureServerConfig
 from trainer.config import TrainerConfig
@@ -22,22 +23,6 @@ class TargetConfig:
     # tiny-qwen3-next | tiny-qwen3.5-moe | tiny-llama
     name: str | None = None
     path: str | None = None  # any local HF checkpoint dir; wins over name
-
-
-@dataclass
-class DataConfig:
-    # synthetic: workload prompts answered by the target | corpus: windows of real text (launch/corpus.py) continued
-    # by the target (launch/corpus_workload.py) | jsonl: your files
-    source: str = "synthetic"
-    train_path: str | None = None
-    heldout_path: str | None = None
-    rows: int = 256  # synthetic and corpus
-    heldout_rows: int = 32
-    prompt_tokens: int = 400  # ~5k in production; corpus: the longest prompt
-    prompt_min_tokens: int = 96  # corpus: the shortest prompt
-    max_new_tokens: int = 48  # ~45-token responses in production
-    generation_backend: str = "hf"  # corpus: hf | vllm (launch/generate.py)
-    seed: int = 0
 
 
 @dataclass

@@ -8,7 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from launch.build_lock import build_lock
+from core.build_lock import build_lock
 from launch.config import DataConfig, TargetConfig
 from launch.corpus_workload import CorpusWorkload, make_corpus_workload
 from launch.small_real import ASSET_DIR as SMALL_REAL_DIR

@@ -38,7 +38,7 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from launch.build_lock import build_lock
+from core.build_lock import build_lock
 from launch.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf, save_tokenizer, workload_tokenizer
 from launch.workload import generate_rows
 
@@ -235,7 +235,7 @@ def is_complete(target_dir: Path) -> bool:
 
 def ensure_target(name: str, cache_dir: str | Path) -> Path:
     """cache_dir/name, built once. Built in a temp dir beside it then renamed, so a crash leaves no half checkpoint;
-    concurrent callers wait for one builder (launch/build_lock.py)."""
+    concurrent callers wait for one builder (core/build_lock.py)."""
     get_spec(name)
     final = Path(cache_dir) / name
     if is_complete(final):

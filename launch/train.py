@@ -23,6 +23,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from core.run_dir import RunDir  # noqa: E402
+from data.token_store import open_store  # noqa: E402
 from launch.config import register_configs  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402
 from launch.ranks import launch_local  # noqa: E402
@@ -42,7 +43,13 @@ def main(cfg: DictConfig) -> dict:
     cache_dir = Path(cfg.cache_dir).expanduser()
     # Built (or found in the cache) before any rank starts, so ranks never race to build them.
     target_dir = resolve_target(OmegaConf.to_object(cfg.target), cache_dir)
-    train_path, heldout_path = resolve_data(OmegaConf.to_object(cfg.data), target_dir, cache_dir)
+    data_cfg = OmegaConf.to_object(cfg.data)
+    train_path, heldout_path = resolve_data(data_cfg, target_dir, cache_dir)
+    if "LOCAL_RANK" not in os.environ:  # tokenized once per node, before any rank starts (ranks map it)
+        for path in (train_path, heldout_path):
+            if path:
+                open_store(path, target_dir, cache_dir, workers=data_cfg.tokenize_workers,
+                           progress=cfg.trainer.progress)
     if cfg.trainer.ranks > 1 and "LOCAL_RANK" not in os.environ:
         return _relaunch_as_ranks(cfg.trainer.ranks, run_dir)
     _adopt_torchrun_sizes(cfg)
@@ -57,6 +64,8 @@ def main(cfg: DictConfig) -> dict:
         train_path=train_path,
         heldout_path=heldout_path,
         resolved_config=resolved,
+        data_cfg=data_cfg,
+        cache_dir=cache_dir,
     )
     metrics = trainer.train()
     if metrics:

@@ -108,7 +108,7 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One cache per test run: each tiny target and workload is built once, shared by all tests and, under
-    pytest-xdist, by all workers (their base temp dirs share a parent; launch/build_lock.py makes the second
+    pytest-xdist, by all workers (their base temp dirs share a parent; core/build_lock.py makes the second
     worker wait for the first's build instead of fitting the same target again)."""
     if not _WORKER:
         return tmp_path_factory.mktemp("specdistill-cache")

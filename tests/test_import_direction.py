@@ -10,11 +10,12 @@ from tests.cli import REPO
 ALLOWED = {
     "core": set(),
     "kernels": set(),
+    "data": {"core"},
     "drafters": {"core", "kernels"},
     "feature_server": {"core"},
     "evaluation": {"core", "drafters"},
-    "trainer": {"core", "kernels", "drafters", "feature_server", "evaluation"},
-    "launch": {"core", "kernels", "drafters", "feature_server", "evaluation", "trainer"},
+    "trainer": {"core", "kernels", "data", "drafters", "feature_server", "evaluation"},
+    "launch": {"core", "kernels", "data", "drafters", "feature_server", "evaluation", "trainer"},
 }
 PACKAGES = {*ALLOWED, "bench"}
 

@@ -25,6 +25,7 @@ class TrainState:
     consumed_row_ids: set[int] = field(default_factory=set)  # trained on in the current epoch
     train_tokens: int = 0
     train_response_tokens: int = 0
+    packs: int = 0  # packed sequences trained on (pack_fill = train_tokens / (packs * pack size))
     train_seconds: float = 0.0
     feature_seconds: float = 0.0  # worker-side extraction, summed over workers
     feature_wait_seconds: float = 0.0  # trainer idle waiting for features
@@ -40,7 +41,7 @@ class TrainState:
 
 # Counters each rank keeps over its own shard: the job's value is their sum over the ranks (metrics.json, and a
 # resume on another rank count). train_seconds is wall-clock time, the same on every rank: never summed.
-SUMMED_OVER_RANKS = ("train_tokens", "train_response_tokens", "feature_seconds", "feature_wait_seconds",
+SUMMED_OVER_RANKS = ("train_tokens", "train_response_tokens", "packs", "feature_seconds", "feature_wait_seconds",
                      "samples_duplicated", "samples_lost", "rows_reissued", "duplicate_deliveries_dropped",
                      "feature_workers_died")
 
@@ -87,7 +88,7 @@ class Checkpoint:
         states = [entry["state"] for entry in self.ranks]
         consumed = set().union(*(s["consumed_row_ids"] for s in states))
         first = states[0]
-        counters = {k: sum(s[k] for s in states) if rank == 0 else type(first[k])(0) for k in SUMMED_OVER_RANKS}
+        counters = {k: sum(s.get(k, 0) for s in states) if rank == 0 else type(first.get(k, 0))(0) for k in SUMMED_OVER_RANKS}
         log.warning("%s was written by %d trainer rank(s), this run has %d: resuming the epoch with the %d rows "
                     "already trained skipped; sampling RNG restarts", self.path, len(self.ranks), world_size,
                     len(consumed))

@@ -1,8 +1,11 @@
 """The trainer's feature feed: one FeatureServer per run, driven by a thread that packs ahead of the training step.
 
 The feed thread starts the server (its workers load the target once for the whole run), streams the held-out rows
-first when there are any, then epoch after epoch of this rank's training rows; it packs them (core/batch.py) and
-puts each optimizer step's packs into a queue that holds `prefetch` of them. While the training step runs, the next
+first when there are any, then epoch after epoch of this rank's training rows. Each epoch's packs are planned from
+the rows' lengths before any is extracted (data/packing.py: best-fit over windows of rows, ~0.97+ of every pack
+filled), the rows are streamed in plan order, and each sample is copied into its planned pack as it arrives
+(core/batch.py PackAssembler); complete packs go, an optimizer step's worth at a time, into a queue that holds
+`prefetch` of them. While the training step runs, the next
 packs are being extracted, copied out of the shared-memory rings and packed; the step waits only when the queue is
 empty, i.e. when feature capacity is below demand (docs/scaling.md, "Prefetch").
 
@@ -16,11 +19,15 @@ lives until the feed closes.
 import logging
 import queue
 import threading
+
+import numpy as np
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from core.batch import PackedBatch, pack_stream
+from core.batch import PackAssembler, PackedBatch
 from core.contract import FeatureSample, TokenizedRow
+from core.rows import Rows, as_rows
+from data.packing import DEFAULT_WINDOW, plan_packs
 from feature_server.server import FeatureServer, StreamCancelled
 
 log = logging.getLogger(__name__)
@@ -50,12 +57,14 @@ class FeatureFeed:
     start_epoch, skip_row_ids: where a resumed run picks up (rows of start_epoch already trained on).
     """
 
-    def __init__(self, make_server: Callable[[], FeatureServer], rows: Sequence[TokenizedRow], *, token_budget: int,
-                 layer_ids: tuple[int, ...], grad_accum: int, prefetch: int, max_epochs: int, start_epoch: int = 0,
-                 skip_row_ids: frozenset[int] = frozenset(), eval_rows: Sequence[TokenizedRow] = ()):
+    def __init__(self, make_server: Callable[[], FeatureServer], rows: "Rows | Sequence[TokenizedRow]", *,
+                 token_budget: int, layer_ids: tuple[int, ...], grad_accum: int, prefetch: int, max_epochs: int,
+                 start_epoch: int = 0, skip_row_ids: frozenset[int] = frozenset(),
+                 eval_rows: Sequence[TokenizedRow] = (), pack_window: int = DEFAULT_WINDOW):
         if prefetch < 1:
             raise ValueError(f"trainer.prefetch_steps={prefetch}: need >= 1 (the packs of the next step)")
-        self._make_server, self._rows, self._eval_rows = make_server, list(rows), list(eval_rows)
+        self._make_server, self._rows, self._eval_rows = make_server, as_rows(rows), list(eval_rows)
+        self._window = pack_window
         self._budget, self._layer_ids, self._grad_accum = token_budget, layer_ids, grad_accum
         self._max_epochs, self._start_epoch, self._skip = max_epochs, start_epoch, frozenset(skip_row_ids)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -115,9 +124,7 @@ class FeatureFeed:
             self._extract_eval_rows()
             for epoch in range(self._start_epoch, self._max_epochs):
                 skip = self._skip if epoch == self._start_epoch else frozenset()
-                groups = _grouped(pack_stream(self._server.stream(self._rows, skip), self._budget, self._layer_ids),
-                                  self._grad_accum)
-                for group in groups:
+                for group in _grouped(self._epoch_packs(skip), self._grad_accum):
                     if not self._put(group):
                         return
                 if not self._put(EpochEnd(epoch, self._counts_since_last())):
@@ -134,6 +141,17 @@ class FeatureFeed:
                 self.final_counts = self._counts_since_last()
                 self._server.close()
                 self.server_stats = self._server.stats()
+
+    def _epoch_packs(self, skip: frozenset[int]):
+        """This rank's rows of one epoch (minus `skip`), streamed in plan order and assembled into planned packs."""
+        mine = self._server.select(self._rows, skip)
+        packs = plan_packs(mine.num_tokens, self._budget, self._window)
+        ordered = mine.take(np.concatenate(packs) if packs else np.zeros(0, dtype=np.int64))
+        assembler = PackAssembler(ordered, [len(p) for p in packs], self._layer_ids)
+        for sample in self._server.stream(ordered, sharded=False):
+            pack = assembler.add(sample)
+            if pack is not None:
+                yield pack
 
     def _extract_eval_rows(self) -> None:
         if self._eval_rows:

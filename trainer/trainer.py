@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 from tqdm import tqdm
@@ -21,9 +22,11 @@ from transformers import AutoTokenizer
 from core.batch import PackedBatch
 from core.run_dir import RunDir
 from core.target import TargetHead, TargetInfo
+from data.config import DataConfig
+from data.formats import check_tokenizer_matches
+from data.selection import check_skipped, load_selected
 from drafters import build_drafter
 from feature_server.config import FeatureServerConfig
-from feature_server.dataset import check_tokenizer_matches, load_rows
 from feature_server.ledger import shard_rows
 from feature_server.server import FeatureServer
 from trainer.layout import cpu_threads, cuda_device_count, plan_node
@@ -32,7 +35,6 @@ from trainer.ablation import ablate, ablate_hidden, check_ablation
 from trainer.checkpoint import SUMMED_OVER_RANKS, TrainState, load_checkpoint, rank_entry, save_checkpoint
 from trainer.config import TrainerConfig
 from trainer.feed import EpochEnd, FeatureFeed
-from evaluation.acceptance import stages_by_row_id
 from trainer.metrics import StepMetrics
 from trainer.optim import Optimizers
 from trainer.tracking import Tracker
@@ -47,7 +49,8 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(self, drafter_cfg, trainer_cfg: TrainerConfig, server_cfg: FeatureServerConfig, run_dir: Path,
-                 target_dir: Path, train_path: Path, heldout_path: Path | None, resolved_config: dict | None = None):
+                 target_dir: Path, train_path: Path, heldout_path: Path | None, resolved_config: dict | None = None,
+                 data_cfg: DataConfig | None = None, cache_dir: Path | None = None):
         self.launched = psutil.Process().create_time()  # first_step_seconds: this process's launch to its first step
         self.first_step_seconds: float | None = None
         self.cfg, self.server_cfg, self.run = trainer_cfg, server_cfg, RunDir(run_dir)
@@ -72,16 +75,8 @@ class Trainer:
         self.target = TargetInfo.load(target_dir)
         tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
         check_tokenizer_matches(tokenizer, {"vocab_size": self.target.vocab_size})
-        max_tokens = min(self.target.max_position_embeddings, trainer_cfg.token_budget)
-        self.rows, self.train_skips = load_rows(train_path, tokenizer, max_tokens)
-        if not self.rows:
-            raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
-        self.heldout_rows, self.heldout_skips = (load_rows(heldout_path, tokenizer, max_tokens) if heldout_path else ([], None))
-        if heldout_path and not self.heldout_rows:
-            raise ValueError(f"{heldout_path}: no usable held-out row ({self.heldout_skips.summary()}); held-out "
-                             "rows need response tokens (loss_mask 1) and must fit trainer.token_budget")
-        self.heldout_rows = usable_heldout(self.heldout_rows, heldout_path)
-        self.heldout_path = heldout_path
+        self._load_data(target_dir, train_path, heldout_path, data_cfg or DataConfig(),
+                        Path(cache_dir or os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill")))
         self._drafter_cfg, self._tokenizer = drafter_cfg, tokenizer  # _new_drafter rebuilds it after fsdp
         self.drafter = self._new_drafter()
         self.head = TargetHead(self.target).to(self.dist.device)
@@ -89,7 +84,7 @@ class Trainer:
         self.spec.check_against(self.target.num_hidden_layers)
         self.input_layer_ids = self.drafter.input_layer_ids()
         check_ablation(trainer_cfg.feature_ablation, self.input_layer_ids, self.target.num_hidden_layers)
-        _check_feature_capacity(server_cfg, self.layout.workers_per_rank, trainer_cfg.token_budget, self.spec,
+        _check_feature_capacity(server_cfg, self.layout.workers_per_rank, self.pack_tokens, self.spec,
                                 self.target.hidden_size)
         self.model = parallel.wrap(self.drafter, trainer_cfg.parallel, self.dist)
         if trainer_cfg.compile:
@@ -106,6 +101,33 @@ class Trainer:
         run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
         self.shm_prefix = f"specdistill_{run_key}_r{self.dist.rank}"
         self.tracker = Tracker.from_run_config(resolved_config or {}, run_dir, enabled=self.dist.is_main)
+
+    def _load_data(self, target_dir: Path, train_path: Path, heldout_path: Path | None, data_cfg: DataConfig,
+                   cache_dir: Path) -> None:
+        """The training and held-out rows from their token stores (tokenized once per node, memory-mapped), cut or
+        skipped to fit a pack (data/selection.py); stops here when too many rows would be skipped."""
+        # A pack never exceeds the target's context: a row is prefilled whole.
+        self.pack_tokens = min(self.target.max_position_embeddings, self.cfg.token_budget)
+        if self.pack_tokens < self.cfg.token_budget:
+            log.warning("trainer.token_budget=%d exceeds the target's context (%d tokens): packs hold %d",
+                        self.cfg.token_budget, self.target.max_position_embeddings, self.pack_tokens)
+        progress = self.cfg.progress and self.dist.is_main
+        self.rows, self.train_skips, store = load_selected(train_path, target_dir, cache_dir, self.pack_tokens,
+                                                           data_cfg, progress)
+        if not len(self.rows):
+            raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
+        check_skipped(store, self.train_skips, data_cfg.max_skipped_fraction, self.pack_tokens, data_cfg.truncate)
+        log.info("train rows: %s", self.train_skips.summary())
+        self.heldout_rows, self.heldout_skips, self.heldout_stages = [], None, {}
+        if heldout_path:
+            held, self.heldout_skips, held_store = load_selected(heldout_path, target_dir, cache_dir,
+                                                                 self.pack_tokens, data_cfg, progress)
+            if not len(held):
+                raise ValueError(f"{heldout_path}: no usable held-out row ({self.heldout_skips.summary()}); held-out "
+                                 "rows need response tokens (loss_mask 1) and must fit trainer.token_budget")
+            self.heldout_rows = usable_heldout(list(held), heldout_path)
+            self.heldout_stages = held_store.stages_by_row_id()
+        self.heldout_path = heldout_path
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -160,7 +182,7 @@ class Trainer:
 
     def _make_feed(self, state: TrainState, eval_rows: list) -> FeatureFeed:
         """The run's feature feed, from where a resumed run stopped (its epoch, minus the rows trained on)."""
-        return FeatureFeed(self._run_server, self.rows, token_budget=self.cfg.token_budget,
+        return FeatureFeed(self._run_server, self.rows, token_budget=self.pack_tokens,
                            layer_ids=self.spec.layer_ids, grad_accum=self.cfg.grad_accum,
                            prefetch=self.cfg.prefetch_steps, max_epochs=self.cfg.max_epochs, start_epoch=state.epoch,
                            skip_row_ids=frozenset(state.consumed_row_ids), eval_rows=eval_rows).start()
@@ -174,10 +196,11 @@ class Trainer:
     def _end_epoch(self, state: TrainState, end: EpochEnd) -> None:
         self._add_delivery_counts(state, end.counts)
         # Every row of this rank must have been trained on exactly once by now.
-        mine = {r.row_id for r in shard_rows(self.rows, self.dist.rank, self.dist.world_size)}
-        lost = mine - state.consumed_row_ids
-        if lost:
-            log.error("epoch %d: %d rows never reached the trainer, e.g. %s", state.epoch, len(lost), sorted(lost)[:10])
+        mine = shard_rows(self.rows, self.dist.rank, self.dist.world_size).row_ids
+        consumed = np.fromiter(state.consumed_row_ids, dtype=np.int64, count=len(state.consumed_row_ids))
+        lost = mine[~np.isin(mine, consumed)]
+        if len(lost):
+            log.error("epoch %d: %d rows never reached the trainer, e.g. %s", state.epoch, len(lost), lost[:10].tolist())
         state.samples_lost += len(lost)
         state.epoch += 1
         state.consumed_row_ids.clear()
@@ -229,6 +252,7 @@ class Trainer:
 
     def _count_batch(self, batch: PackedBatch, state: TrainState) -> None:
         state.train_tokens += batch.num_tokens
+        state.packs += 1
         state.train_response_tokens += int(batch.loss_mask_T.sum())
         seen_twice = state.consumed_row_ids.intersection(batch.row_ids)
         if seen_twice or len(set(batch.row_ids)) != len(batch.row_ids):
@@ -253,13 +277,14 @@ class Trainer:
         rank, num_ranks = (self.dist.rank, self.dist.world_size) if sharded else (0, 1)
         return FeatureServer(self.target.path, self.spec, rows, self.server_cfg,
                              devices=self.layout.worker_devices[self.dist.local_rank], rank=rank, num_ranks=num_ranks,
-                             skip_row_ids=frozenset(skip), shm_prefix=self.shm_prefix)
+                             skip_row_ids=frozenset(skip), max_row_tokens=self.pack_tokens, shm_prefix=self.shm_prefix)
 
     def _run_server(self) -> FeatureServer:
         """The run's server (this rank's workers, fed stream after stream by trainer/feed.py)."""
         return FeatureServer(self.target.path, self.spec, None, self.server_cfg,
                              devices=self.layout.worker_devices[self.dist.local_rank], rank=self.dist.rank,
-                             num_ranks=self.dist.world_size, shm_prefix=self.shm_prefix)
+                             num_ranks=self.dist.world_size, max_row_tokens=self.pack_tokens,
+                             shm_prefix=self.shm_prefix)
 
     def _resume(self) -> TrainState:
         path = self.run.latest_checkpoint()
@@ -322,8 +347,7 @@ class Trainer:
                 probed.append(replace(s, row_id=s.row_id - PROBE_ROW_OFFSET, hidden_TLD=hidden))
             else:
                 held.append(replace(s, hidden_TLD=hidden))
-        return Validator(held, probed, self.spec.layer_ids, self.dist.device, self.validation,
-                         stages_by_row_id(self.heldout_path))
+        return Validator(held, probed, self.spec.layer_ids, self.dist.device, self.validation, self.heldout_stages)
 
     def _validate(self, state: TrainState) -> None:
         drafter = self._unsharded_drafter()  # a collective under fsdp: every rank calls it
@@ -362,7 +386,8 @@ class Trainer:
         if self.dist.is_main:
             export_dir = self.run.export
             drafter, selected = self._export_drafter(drafter)
-            selected["step"] = selected["step"] or state.step
+            if selected["step"] is None:  # export=last (or no curve): the final weights
+                selected["step"] = state.step
             drafter.export(export_dir, self.target)
             eval_started = time.perf_counter()
             report = self.validator.report(drafter, self.head) if self.validator else None
@@ -375,6 +400,9 @@ class Trainer:
                 "steps": state.step,
                 "epochs_completed": state.epoch,
                 "train_tokens": state.train_tokens,
+                "packs": state.packs,
+                "pack_tokens": self.pack_tokens,
+                "pack_fill": state.train_tokens / max(1, state.packs * self.pack_tokens),
                 "train_response_tokens": state.train_response_tokens,
                 "final_loss": state.last_loss,
                 "train_accuracy_per_position": self.totals.summary()["accuracy_per_position"],
@@ -402,6 +430,7 @@ class Trainer:
                 "feature_workers_died": state.feature_workers_died,
                 "training_seconds": state.train_seconds,
                 "eval_seconds": time.perf_counter() - eval_started,
+                "rows_truncated": self.train_skips.truncated,
                 "skipped_rows": {"train": asdict(self.train_skips),
                                  "heldout": asdict(self.heldout_skips) if self.heldout_skips else None},
                 "export_dir": str(export_dir),
@@ -447,18 +476,19 @@ def _wait_fraction(state: TrainState, world_size: int) -> float:
     return wait / max(1e-9, state.train_seconds + wait)
 
 
-def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, token_budget: int, spec,
+def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, pack_tokens: int, spec,
                             hidden_size: int) -> None:
-    """Samples are zero-copy views of each worker's ring, so a ring must hold the pack being filled, the next
-    sample and a wrap-around gap: 3 packs. Less can stall every worker while the trainer waits for a sample."""
-    pack = token_budget * len(spec.layer_ids) * hidden_size * spec.torch_dtype.itemsize
+    """A worker writes a row's states into its ring and the feed copies them into the row's pack as soon as they
+    arrive (trainer/feed.py), so a ring must hold the longest row (a pack's worth of tokens) while the previous one
+    is being copied out: 2 packs. Less makes the workers write one-off segments or wait on the trainer."""
+    pack = pack_tokens * len(spec.layer_ids) * hidden_size * spec.torch_dtype.itemsize
     ring = server_cfg.capacity_mb * 2**20 / workers
-    if ring < 3 * pack:
-        need = -(-3 * pack * workers // 2**20)
+    if ring < 2 * pack:
+        need = -(-2 * pack * workers // 2**20)
         raise ValueError(f"feature_server.capacity_mb={server_cfg.capacity_mb} gives each of this rank's {workers} "
-                         f"workers a {ring / 2**20:.0f} MiB ring, but a {token_budget}-token pack of "
+                         f"workers a {ring / 2**20:.0f} MiB ring, but a {pack_tokens}-token pack of "
                          f"{len(spec.layer_ids)} layers x {hidden_size} {spec.hidden_dtype} is {pack / 2**20:.0f} MiB "
-                         f"and a ring must hold 3; set feature_server.capacity_mb >= {need}")
+                         f"and a ring must hold 2; set feature_server.capacity_mb >= {need}")
 
 
 def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

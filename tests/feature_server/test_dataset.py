@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import LlamaConfig
 
-from feature_server.dataset import DatasetError, check_tokenizer_matches, load_rows
+from data.formats import DatasetError, check_tokenizer_matches, load_rows
 from launch.tokenizer import as_hf, workload_tokenizer
 
 SYSTEM = {"role": "system", "content": "Return JSON."}

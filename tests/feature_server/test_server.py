@@ -102,8 +102,9 @@ def test_worker_exception_names_worker_and_row_and_cleans_up(target, request):
     rows[2] = bad
     prefix = _prefix(request)
     server = FeatureServer(target, SPEC, rows, cfg(), shm_prefix=prefix)
-    with pytest.raises(FeatureWorkerError, match=rf"worker 0 .*failed on row {bad.row_id}:.*outside the target "
-                                                 rf"vocabulary") as err:
+    # The worker names the batch it was prefilling; the backend's own error names the row.
+    with pytest.raises(FeatureWorkerError, match=rf"worker 0 .*failed on rows \[.*{bad.row_id}.*\]:.*row {bad.row_id}: "
+                                                 rf"token ids \[{VOCAB + 3}\] outside the target vocabulary") as err:
         for _ in server:
             pass
     assert "--- worker traceback ---" in str(err.value) and "check_row" in str(err.value)
@@ -243,8 +244,9 @@ def test_a_worker_that_dies_between_epochs_is_replaced_and_the_next_epoch_comple
         assert sorted(_stream_ids(server, rows)) == sorted(r.row_id for r in rows)
         stats = server.stats()
     assert stats["workers_died"] == 1 and len(stats["per_worker"]) == 3  # a replacement took its slot
-    # Rows handed to it before its death was noticed are reissued, never delivered twice.
-    assert stats["duplicates_dropped"] == 0 and stats["rows_reissued"] <= 2
+    # Rows handed to it before its death was noticed (its round-robin half, all within 2 * batch_tokens) are
+    # reissued, never delivered twice.
+    assert stats["duplicates_dropped"] == 0 and stats["rows_reissued"] <= 3
     assert segment_paths(prefix) == []
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from feature_server.dataset import load_rows
+from data.formats import load_rows
 from launch import make_workload as mw
 from launch.targets import make_target
 from launch.tokenizer import as_hf, workload_tokenizer
