@@ -93,7 +93,7 @@ def plot(reports: dict, path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", required=True, type=Path, help="training run dir (repeatable)")
-    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (launch/make_workload.py rows)")
+    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (data/synthetic.py rows)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--target", type=Path, default=None, help="default: the target each run trained against")
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, type=Path)
     ap.add_argument("--method", required=True, help="dflash, eagle3 or mtp (passed to vLLM explicitly)")
-    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (launch/make_workload.py rows)")
+    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (data/synthetic.py rows)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--target", type=Path, default=None, help="default: metrics.json's target")

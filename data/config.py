@@ -12,10 +12,11 @@ class DataConfig:
     heldout_path: str | None = None
     rows: int = 256  # synthetic and corpus
     heldout_rows: int = 32
-    prompt_tokens: int = 400  # ~5k in production; corpus: the longest prompt
+    prompt_tokens: int = 400  # synthetic: the median prompt (~5k in production); corpus: the longest prompt
+    prompt_spread: float = 0.0  # synthetic: sigma of the log prompt length (0.3: lengths spread like real prompts)
     prompt_min_tokens: int = 96  # corpus: the shortest prompt
     max_new_tokens: int = 48  # ~45-token responses in production
-    generation_backend: str = "hf"  # corpus: hf | vllm (launch/generate.py)
+    generation_backend: str = "auto"  # synthetic and corpus: auto | vllm | hf (data/generate.py resolve_backend)
     seed: int = 0
     # A row longer than a pack (trainer.token_budget): left = keep the response and the last prompt tokens that
     # fit | skip. Both are counted (metrics.json skipped_rows); data/selection.py.

@@ -3,7 +3,7 @@
 Three row formats, detected per row:
   chat           {"messages": [..., {"role": "assistant", "content": str}]}  (last message = the response)
   prompt/resp.   {"prompt": str, "response": str}                           (prompt = one user turn)
-  pre-tokenized  {"input_ids": [int], "loss_mask": [0|1]}                   (e.g. launch/make_workload.py output)
+  pre-tokenized  {"input_ids": [int], "loss_mask": [0|1]}                   (e.g. data/synthetic.py output)
 For the first two, prompt = chat template of the earlier turns with add_generation_prompt=True, response =
 tokens of content + "<|im_end|>"; the two token lists are concatenated (as generation produces them). A row may
 carry a "stage" string (the workload's pipeline stage), reported per stage in the held-out acceptance.

@@ -15,9 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from core.fp8 import FP8, dequantize_blockwise, quantize_blockwise
 from kernels.moe import fuse_expert_weights
 
 PREFIX = "mtp."
+SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales (core/fp8.py)
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
@@ -36,11 +38,21 @@ def mtp_files(path: Path) -> dict[str, list[str]]:
 
 
 def read_mtp_state(path: Path, want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's mtp.* tensors (prefix stripped, experts fused, fp32) for the keys of `want`."""
+    """The checkpoint's mtp.* tensors (prefix stripped, experts fused, fp32) for the keys of `want`. An FP8 weight
+    (float8_e4m3fn beside its `<name>_scale_inv`, vLLM's fp8 layout: core/fp8.py) is dequantized with its scales."""
     raw = {}
     for file, names in mtp_files(path).items():
         with safe_open(str(path / file), framework="pt") as f:
-            raw.update({n[len(PREFIX):]: f.get_tensor(n).float() for n in names})
+            for n in names:
+                if n.endswith(SCALE_SUFFIX):
+                    continue
+                t = f.get_tensor(n)
+                if t.dtype == FP8:
+                    if n + SCALE_SUFFIX not in names:
+                        raise ValueError(f"{path / file}: {n} is float8_e4m3fn but {n + SCALE_SUFFIX} is missing; "
+                                         "an FP8 weight needs its block scales")
+                    t = dequantize_blockwise(t, f.get_tensor(n + SCALE_SUFFIX))
+                raw[n[len(PREFIX):]] = t.float()
     state = fuse_expert_weights({k: v for k, v in raw.items() if not k.startswith("layers.") or
                                  k.startswith("layers.0.")})
     missing = sorted(set(want) - set(state))
@@ -69,6 +81,17 @@ def unfuse_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+def _block_size(src: Path, q: torch.Tensor, scale_inv: torch.Tensor) -> int:
+    """The checkpoint's FP8 block: config.json quantization_config.weight_block_size, else read off the scales."""
+    config = json.loads((src / "config.json").read_text())
+    block = (config.get("quantization_config") or {}).get("weight_block_size")
+    if block:
+        if block[0] != block[1]:
+            raise ValueError(f"{src}: weight_block_size {block} is not square; only square FP8 blocks are written")
+        return int(block[0])
+    return -(-q.shape[0] // scale_inv.shape[0])
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     if dst.exists() or dst.is_symlink():
         dst.unlink()
@@ -79,11 +102,14 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def write_back_mtp(src: Path, out_dir: Path, state: dict[str, torch.Tensor]) -> None:
-    """Copy checkpoint `src` to `out_dir`, rewriting only the safetensors that hold mtp.* tensors."""
+    """Copy checkpoint `src` to `out_dir`, rewriting only the safetensors that hold mtp.* tensors. A weight the
+    checkpoint stores in FP8 is quantized again, with new block scales, in the checkpoint's block size (its
+    config's weight_block_size): the export is read back as the fine-tuned weights to FP8 precision, never as new
+    values under the old scales."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = mtp_files(src)
     tuned = {PREFIX + k: v.detach().cpu() for k, v in state.items()}
-    on_disk = {n for names in files.values() for n in names}
+    on_disk = {n for names in files.values() for n in names if not n.endswith(SCALE_SUFFIX)}
     fused = set(tuned) - on_disk
     if fused:  # the checkpoint keeps one tensor per expert
         tuned = {PREFIX + k: v.detach().cpu() for k, v in unfuse_expert_weights(state).items()}
@@ -98,8 +124,14 @@ def write_back_mtp(src: Path, out_dir: Path, state: dict[str, torch.Tensor]) -> 
             metadata = f.metadata()
             tensors = {n: f.get_tensor(n) for n in f.keys()}
         for name in names:
-            if name in tuned:
-                tensors[name] = tuned[name].to(tensors[name].dtype).reshape(tensors[name].shape).contiguous()
+            if name not in tuned:
+                continue
+            value = tuned[name].reshape(tensors[name].shape)
+            if tensors[name].dtype == FP8:
+                tensors[name], tensors[name + SCALE_SUFFIX] = quantize_blockwise(value, _block_size(src, tensors[name],
+                                                                                 tensors[name + SCALE_SUFFIX]))
+            else:
+                tensors[name] = value.to(tensors[name].dtype).contiguous()
         dst = out_dir / file
         if dst.exists():
             dst.unlink()  # never write through a hardlink into the target's own file

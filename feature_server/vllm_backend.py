@@ -31,7 +31,6 @@ nothing waits for a later step.)
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -47,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from core.contract import FeatureSpec, TokenizedRow
+from core.vllm_engine import resolve_dtype, shutdown_engine, target_text_config
 from feature_server.backends import FeatureBackend, check_row, sample_layout
 from feature_server.shm_transport import ChannelFull, LocalRegion, RegionWriter, ShmProducer
 
@@ -136,27 +136,6 @@ class RingHiddenStatesConnector(ExampleHiddenStatesConnector):
                                               "input_ids_T": torch.tensor(write.token_ids, dtype=torch.int64)})
 
 
-def _target_text_config(target_dir: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(target_dir).get_text_config()
-
-
-def resolve_dtype(target_dir: str, dtype: str | torch.dtype | None) -> str:
-    """The engine dtype as vLLM spells it; None/"auto" -> the checkpoint's own dtype.
-
-    Not vLLM's "auto": that downcasts a float32 checkpoint to bf16 (config/model.py, `_resolve_auto_dtype`), and an
-    exact fp32 comparison against transformers or between two engines needs fp32.
-    """
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    if dtype not in (None, "auto"):
-        return dtype
-    config = _target_text_config(target_dir)
-    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-    return str(saved).removeprefix("torch.")
-
-
 def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str,
                              max_model_len: int, batch_tokens: int | None = None) -> dict[str, Any]:
     """vllm.LLM(...) kwargs for prefill-only hidden-state extraction at `layer_ids` (our convention = vLLM's).
@@ -202,7 +181,7 @@ class VLLMBackend(FeatureBackend):
         max_model_len = max_model_len or max_row_tokens
         self._llm = None
         dtype = resolve_dtype(target_dir, dtype)
-        config = _target_text_config(target_dir)
+        config = target_text_config(target_dir)
         self._num_hidden_layers = int(config.num_hidden_layers)
         self._hidden_size = int(config.hidden_size)
         self._vocab_size = int(config.vocab_size)
@@ -314,34 +293,6 @@ class VLLMBackend(FeatureBackend):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def shutdown_engine(llm, timeout_s: float = 30.0) -> None:
-    """Stop an `LLM`'s engine now and wait until its processes are gone, so their memory is back.
-
-    Dropping the last reference would do it eventually (a finalizer); an explicit shutdown makes "one engine at a
-    time" hold even while a caller's frame still references the LLM. This engine's processes are the engine-core
-    processes its client launched (`resources.engine_manager.processes`) and their children (the workers); other
-    engines in the same process are left alone. Raises if one survives.
-    """
-    import psutil
-
-    client = llm.llm_engine.engine_core
-    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-    procs = []
-    for proc in getattr(manager, "processes", []):
-        try:
-            core = psutil.Process(proc.pid)
-            procs += [core, *core.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    client.shutdown()
-    del llm, client, manager
-    gc.collect()
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    if alive:
-        raise RuntimeError(f"vLLM engine processes {[p.pid for p in alive]} still alive {timeout_s:.0f} s after "
-                           "shutdown")
 
 
 def _check_device(device: str) -> None:

@@ -1,92 +1,11 @@
-"""Self-distilled train / held-out sets for a target pretrained on the corpus (launch/corpus.py): real text in,
-the target's own greedy continuations out.
+"""Self-distilled train / held-out sets from real text (data/corpus_workload.py):
 
     python -m launch.corpus_workload --target DIR --out DIR --rows 10000 --heldout 100 [--max-new-tokens 64]
-
-A prompt is a window of a corpus file starting at a line: train rows come from the training files, held-out rows
-from the held-out files (never seen in pretraining, nor by the drafter). The response is what the target generates
-from it (launch/generate.py, batched), so the drafter learns the target, not the text. Everything is a function of
-(seed, split, index) and the target. Rows: {"id", "source", "input_ids", "loss_mask", "prompt_text",
-"response_text"}, loss_mask 1 exactly on the generated tokens: ready for `data=jsonl`.
 """
 
 import argparse
-import json
-import random
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-from tqdm import tqdm
-from transformers import AutoTokenizer
-
-from launch.corpus import CorpusFile, corpus_files, split
-from launch.generate import GenerationSettings, respond
-from launch.make_workload import _write_jsonl
-
-
-@dataclass(frozen=True)
-class CorpusWorkload:
-    rows: int = 2000
-    heldout_rows: int = 64
-    prompt_min_tokens: int = 96
-    prompt_max_tokens: int = 320
-    max_new_tokens: int = 64
-    seed: int = 0
-    batch_size: int = 32
-    backend: str = "hf"  # hf | vllm (launch/generate.py)
-
-
-def sample_prompts(files: list[CorpusFile], tokenizer, n: int, lo: int, hi: int, rng: random.Random) -> list[dict]:
-    """n prompts of lo..hi tokens, each a window of one file starting at a line; files drawn by their length."""
-    weights = [len(f.text) for f in files]
-    prompts = []
-    while len(prompts) < n:
-        f = rng.choices(files, weights)[0]
-        starts = [0] + [i + 1 for i, c in enumerate(f.text) if c == "\n"]
-        start = rng.choice(starts)
-        want = rng.randint(lo, hi)
-        ids = tokenizer(f.text[start:start + 8 * want], add_special_tokens=False)["input_ids"][:want]
-        if len(ids) < lo:  # too near the end of the file
-            continue
-        prompts.append({"source": f"{f.relpath}:{f.text.count(chr(10), 0, start) + 1}", "prompt_ids": ids})
-    return prompts
-
-
-def make_corpus_workload(target_dir: str | Path, out_dir: str | Path, cfg: CorpusWorkload = CorpusWorkload(),
-                         threads: int | None = None) -> tuple[Path, Path]:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
-    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    settings = GenerationSettings(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, seed=cfg.seed)
-    train_files, heldout_files = split(corpus_files())
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    t0, paths = time.perf_counter(), []
-    try:
-        for name, files, n in (("train", train_files, cfg.rows), ("heldout", heldout_files, cfg.heldout_rows)):
-            rng = random.Random(f"{cfg.seed}:{name}")
-            prompts = sample_prompts(files, tokenizer, n, cfg.prompt_min_tokens, cfg.prompt_max_tokens, rng)
-            with tqdm(total=n, desc=f"generate {name}", unit="row") as bar:
-                responses = respond(target_dir, [p["prompt_ids"] for p in prompts], settings, stop_ids, cfg.backend,
-                                    progress=bar.update)
-            rows = [{"id": f"{name}-{i}", "source": p["source"], "input_ids": p["prompt_ids"] + r,
-                     "loss_mask": [0] * len(p["prompt_ids"]) + [1] * len(r),
-                     "prompt_text": tokenizer.decode(p["prompt_ids"]), "response_text": tokenizer.decode(r)}
-                    for i, (p, r) in enumerate(zip(prompts, responses))]
-            path = out_dir / f"{name}.jsonl"
-            _write_jsonl(rows, path)
-            paths.append(path)
-    finally:
-        torch.set_num_threads(old_threads)
-    meta = {"target": str(target_dir), **cfg.__dict__, "seconds": round(time.perf_counter() - t0, 1),
-            "argv": sys.argv, "torch": torch.__version__}
-    (out_dir / "workload_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return paths[0], paths[1]
+from data.corpus_workload import CorpusWorkload, make_corpus_workload
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--backend", default=d.backend, choices=("hf", "vllm"))
+    p.add_argument("--backend", default=d.backend, choices=("auto", "vllm", "hf"))
     a = p.parse_args(argv)
     cfg = CorpusWorkload(a.rows, a.heldout, a.prompt_min_tokens, a.prompt_max_tokens, a.max_new_tokens, a.seed,
                          a.batch_size, a.backend)

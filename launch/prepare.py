@@ -9,11 +9,12 @@ import json
 from pathlib import Path
 
 from core.build_lock import build_lock
+from data.corpus_workload import CorpusWorkload, make_corpus_workload
+from data.generate import resolve_backend
 from launch.config import DataConfig, TargetConfig
-from launch.corpus_workload import CorpusWorkload, make_corpus_workload
 from launch.small_real import ASSET_DIR as SMALL_REAL_DIR
 from launch.targets import TINY_TARGETS, ensure_target
-from launch.make_workload import make_workload
+from data.synthetic import make_workload
 
 # Targets committed to the repository (name -> checkpoint dir), beside the tiny ones built on first use.
 COMMITTED_TARGETS = {"small-real": SMALL_REAL_DIR}
@@ -56,9 +57,13 @@ def resolve_data(cfg: DataConfig, target_dir: Path, cache_dir: Path) -> tuple[Pa
         return Path(cfg.train_path), heldout
     if cfg.source not in DATA_SOURCES:
         raise ValueError(f"data.source={cfg.source!r}; valid: {', '.join(DATA_SOURCES)}")
-    settings = [cfg.rows, cfg.heldout_rows, cfg.prompt_tokens, cfg.max_new_tokens, cfg.seed]
-    if cfg.source == "corpus":  # the backend is left out: both give the same greedy rows (tests/launch/test_generate.py)
+    # The backend is part of the key: a bf16 hybrid target's greedy rows can differ between engines on near-ties.
+    backend = resolve_backend(cfg.generation_backend, target_dir, (cfg.rows + cfg.heldout_rows) * cfg.prompt_tokens)
+    settings = [cfg.rows, cfg.heldout_rows, cfg.prompt_tokens, cfg.max_new_tokens, cfg.seed, backend]
+    if cfg.source == "corpus":
         settings = ["corpus", *settings, cfg.prompt_min_tokens]
+    elif cfg.prompt_spread:
+        settings.append(cfg.prompt_spread)
     key = json.dumps([target_fingerprint(target_dir), *settings])
     out_dir = cache_dir / "workloads" / hashlib.sha256(key.encode()).hexdigest()[:12]
     train, heldout = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
@@ -67,14 +72,15 @@ def resolve_data(cfg: DataConfig, target_dir: Path, cache_dir: Path) -> tuple[Pa
     with build_lock(out_dir):  # concurrent runs sharing the cache wait for one generator
         if train.is_file() and heldout.is_file():
             return train, heldout
-        return _make_data(cfg, target_dir, out_dir)
+        return _make_data(cfg, backend, target_dir, out_dir)
 
 
-def _make_data(cfg: DataConfig, target_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+def _make_data(cfg: DataConfig, backend: str, target_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     if cfg.source == "corpus":
         return make_corpus_workload(target_dir, out_dir, CorpusWorkload(
             rows=cfg.rows, heldout_rows=cfg.heldout_rows, prompt_min_tokens=cfg.prompt_min_tokens,
             prompt_max_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
-            backend=cfg.generation_backend))
+            backend=backend))
     return make_workload(target_dir, out_dir, rows=cfg.rows, heldout=cfg.heldout_rows,
-                         prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+                         prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+                         backend=backend, prompt_spread=cfg.prompt_spread)

@@ -2,7 +2,7 @@
 
 The tiny targets (launch/targets.py) are fitted on templated JSON and reward memorising templates. This one is a
 real small language model: a byte-level BPE tokenizer and a 6-layer Llama pretrained from scratch on the Python
-standard library's source (launch/corpus.py), so its continuations depend on the context the way a real LM's do.
+standard library's source (data/corpus.py), so its continuations depend on the context the way a real LM's do.
 
     python -m launch.make_target small-real DIR            # ~40 min on 2 cores; resumable (DIR/pretrain_state.pt)
     python -m launch.make_target small-real DIR --fit-steps 5   # the first 5 steps (what the test replays)
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from launch.corpus import corpus_files, digest, split
+from data.corpus import corpus_files, digest, split
 from launch.tokenizer import MASK_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, CHAT_TEMPLATE, train_tokenizer
 
 ASSET_DIR = Path(__file__).resolve().parent / "assets" / "small-real"

@@ -40,7 +40,7 @@ from transformers import (
 
 from core.build_lock import build_lock
 from launch.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf, save_tokenizer, workload_tokenizer
-from launch.workload import generate_rows
+from data.workload import generate_rows
 
 SEED = 0
 # One intra-op thread: float reduction order depends on the thread count, so pinning it makes the bytes
@@ -68,7 +68,9 @@ def _hybrid_kwargs(vocab_size: int, **ids) -> dict:
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        max_position_embeddings=4096, tie_word_embeddings=False, **ids,
+        # The mission's lengths: ~5k-token prompts in 32,768-token packs (conf/data/mission.yaml). RoPE has no
+        # weights, so the context changes the config only, never the fitted model.
+        max_position_embeddings=32768, tie_word_embeddings=False, **ids,
     )
 
 

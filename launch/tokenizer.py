@@ -11,7 +11,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from launch.workload import generate_rows
+from data.workload import generate_rows
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 EOS_TOKEN = "<|im_end|>"

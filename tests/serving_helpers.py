@@ -97,7 +97,7 @@ def workload_prompts(target_dir, n: int) -> tuple[list[list[int]], list[str]]:
     generation needed, for serving tests that only send prompts."""
     from transformers import AutoTokenizer
 
-    from launch.workload import generate_rows
+    from data.workload import generate_rows
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     rows = generate_rows(n, split="heldout", prompt_tokens=120,

@@ -135,15 +135,23 @@ def test_killed_worker_without_restarts_raises_instead_of_hanging(target, reques
 
 @pytest.mark.slow  # three spawned workers: ~20 s on 2 cores
 def test_killed_worker_rows_are_reissued_exactly_once(target, request):
-    """kill -9 one of two workers mid-run: its in-flight rows go to the other; every row arrives exactly once."""
+    """kill -9 one of two workers mid-batch (rows of 3-7 tokens, 24-token batches: it has published part of a
+    batch and holds the rest): its in-flight rows go to the other; every row arrives exactly once."""
     rows = make_rows(40)
     prefix = _prefix(request)
-    server = FeatureServer(target, SPEC, rows, cfg(workers=2, capacity_mb=1e-6), shm_prefix=prefix,
+    server = FeatureServer(target, SPEC, rows, cfg(workers=2, capacity_mb=1e-6, batch_tokens=24), shm_prefix=prefix,
                            max_worker_restarts=0)
-    got = _consume_killing(server, kill_after=3)
+    dead = None
+    got = []
+    for sample in server:
+        got.append(sample.row_id)
+        if len(got) == 3:
+            dead = min(server.worker_pids())
+            os.kill(server.worker_pids()[dead], signal.SIGKILL)
     stats = server.stats()
     assert sorted(got) == sorted(r.row_id for r in rows)  # nothing lost, nothing twice
     assert stats["workers_died"] == 1 and stats["rows_reissued"] >= 1 and stats["rows_lost"] == 0
+    assert stats["duplicates_dropped"] == 0 and stats["per_worker"][dead]["samples"] < 20
     assert segment_paths(prefix) == []
 
     # With restarts, even a single worker's death is survived: a replacement takes the rows over.

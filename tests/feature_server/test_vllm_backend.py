@@ -129,6 +129,16 @@ def test_llama_states_match_transformers(llama_backend, tiny_llama):
         assert_matches_reference(got, ref, ALL_LAYERS, rel_tol=1e-5, abs_tol=1e-5)
 
 
+def test_a_batched_prefill_gives_each_row_the_states_of_its_own_prefill(llama_backend):
+    """Rows handed to the engine together (one scheduler step: 205 tokens <= max_num_batched_tokens) get the states
+    each gets alone: batching changes throughput, never what the trainer sees."""
+    rows = make_rows(llama_backend.vocab_size, lengths=(9, 40, 16, 23, 57, 60))
+    batched = llama_backend.extract(rows)
+    for row, got in zip(rows, batched):
+        alone = llama_backend.extract([row])[0]
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)  # fp32: summation order at most
+
+
 def test_properties_and_row_checks(llama_backend):
     assert (llama_backend.num_hidden_layers, llama_backend.hidden_size) == (4, 128)
     assert llama_backend.extract([]) == []

@@ -1,12 +1,20 @@
-"""Batched generation (launch/generate.py) and the regenerate CLI (launch/regenerate.py)."""
+"""Batched generation (data/generate.py) and the regenerate CLI (launch/regenerate.py, data/regenerate.py):
+transformers and vLLM against an independent greedy loop, and a kill -9 mid-run resumed without loss."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from launch.generate import GenerationSettings, generate
+from data.generate import GenerationSettings, generate
+from launch.regenerate import parse, run
+from tests.cli import REPO
 
 
 @pytest.fixture(scope="module")
@@ -44,39 +52,98 @@ def test_sampled_rows_are_seeded_per_prompt(random_llama):
     assert reordered[1] == all_three[1]
 
 
-def test_regenerate_replaces_responses_with_the_targets_own(tiny_target, tmp_path):
-    from launch.regenerate import parse, regenerate
-    from transformers import AutoTokenizer
+@torch.inference_mode()
+def greedy_loop(model, prompt: list[int], max_new_tokens: int, stop_id: int) -> list[int]:
+    """The independent reference: the model's full forward over the whole sequence, argmax, append, repeat."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(token)
+        if token == stop_id:
+            break
+    return ids[len(prompt):]
 
+
+def regen_rows(tiny_target):
     target = tiny_target("tiny-llama")
     tok = AutoTokenizer.from_pretrained(target)
-    rows = [{"messages": [{"role": "user", "content": "find red shoes"}, {"role": "assistant", "content": "x"}]},
+    rows = [{"messages": [{"role": "user", "content": "find red shoes"}, {"role": "assistant", "content": "x"}],
+             "stage": "search_queries"},
             {"prompt": "list three tents"},
-            {"input_ids": tok("hello", add_special_tokens=False)["input_ids"] + [5, 6], "loss_mask": [0, 1, 1]},
+            {"input_ids": tok("hello", add_special_tokens=False)["input_ids"] + [5, 6]},
             {"input_ids": [7] * 5000}]  # longer than the target's context: skipped, counted
     rows[2]["loss_mask"] = [0] * (len(rows[2]["input_ids"]) - 2) + [1, 1]
+    rows += [{"prompt": f"a waterproof {w} under ${20 + 7 * i}"} for i, w in enumerate(["tent", "jacket", "backpack",
+                                                                                        "lamp", "chair"] * 4)]
+    return target, tok, rows
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_regenerate_vllm_and_hf_equal_an_independent_greedy_loop(tiny_target, tmp_path):
+    """fp32 tiny Llama: backend=vllm and backend=hf write the same rows, and those are the model's own greedy
+    continuations by a plain forward-argmax loop (no generate(), no KV cache)."""
+    target, tok, rows = regen_rows(tiny_target)
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "train.jsonl"
-    summary = regenerate(parse([f"target.path={target}", f"input={src}", f"output={out}", "max_new_tokens=12"]))
-    assert summary["rows_written"] == 3 and summary["rows_skipped_too_long"] == 1
-    written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in written] == [0, 1, 2]
+    written = {}
+    for backend in ("vllm", "hf"):
+        out = tmp_path / f"{backend}.jsonl"
+        summary = run(parse([f"target.path={target}", f"input={src}", f"output={out}", "max_new_tokens=12",
+                             f"backend={backend}", "dtype=float32"]))
+        assert summary["backend"] == backend and summary["rows_written"] == len(rows) - 1
+        assert summary["rows_skipped_too_long"] == 1 and summary["rows_per_s"] > 0
+        written[backend] = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
+    assert written["vllm"] == written["hf"]
+    assert [r["id"] for r in written["hf"]] == [i for i in range(len(rows)) if i != 3]
+    assert written["hf"][0]["stage"] == "search_queries"  # carried over
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    for r in written:
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    for r in written["hf"][:4]:
         prompt = r["input_ids"][: r["loss_mask"].index(1)]
         response = r["input_ids"][len(prompt):]
         assert r["loss_mask"] == [0] * len(prompt) + [1] * len(response)
-        again = generate(model, [prompt], GenerationSettings(max_new_tokens=12), tok.pad_token_id,
-                         [tok.convert_tokens_to_ids("<|im_end|>")])[0]
-        assert response == again  # the target's own greedy continuation
-    assert written[0]["input_ids"][:3] == tok(tok.apply_chat_template(
+        assert response == greedy_loop(model, prompt, 12, stop)
+    assert written["hf"][0]["input_ids"][:3] == tok(tok.apply_chat_template(
         [{"role": "user", "content": "find red shoes"}], tokenize=False, add_generation_prompt=True),
         add_special_tokens=False)["input_ids"][:3]  # the stale assistant turn is dropped, the prompt kept
 
 
+@pytest.mark.slow
+def test_regenerate_killed_mid_run_resumes_with_every_id_once(tiny_target, tmp_path):
+    """kill -9 a run that has written some rows, tear its last line as a crash mid-write would, re-run the same
+    command: every id exactly once, none lost, and the rows equal an uninterrupted run's."""
+    target, _, rows = regen_rows(tiny_target)
+    rows = [r for r in rows if len(r.get("input_ids", [])) < 5000] * 12  # 288 prompts
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    argv = [f"target.path={target}", f"input={src}", f"output={out}", "max_new_tokens=10", "backend=hf",
+            "batch_size=2"]
+    proc = subprocess.Popen([sys.executable, "-m", "launch.regenerate", *argv], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while (not out.exists() or len(out.read_bytes().splitlines()) < 20) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = out.read_bytes().splitlines()
+    assert 20 <= len(first) < len(rows)
+    with out.open("ab") as f:
+        f.write(first[-1][: len(first[-1]) // 2])  # a torn line: half a row, no newline
+    summary = run(parse(argv))
+    assert summary["rows_already_written"] == len(first)
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == list(range(len(rows)))  # every id once: none lost, none twice
+    clean = tmp_path / "clean.jsonl"
+    run(parse([*argv[:2], f"output={clean}", *argv[3:]]))
+    by_id = lambda path: sorted(path.read_text().splitlines(), key=lambda line: json.loads(line)["id"])
+    assert by_id(out) == by_id(clean)
+
+
 def test_regenerate_rejects_unknown_keys_and_bad_rows(tmp_path):
-    from launch.regenerate import parse, read_prompts
+    from data.regenerate import read_prompts
 
     with pytest.raises(Exception, match="max_new_token"):
         parse(["input=a", "output=b", "max_new_token=3"])

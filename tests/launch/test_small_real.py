@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.target import TargetInfo
-from launch.corpus import corpus_files, digest
+from data.corpus import corpus_files, digest
 from launch.small_real import ASSET_DIR, DIGEST_STEPS, heldout_loss, make_small_real, own_sample_entropy
 
 BUILD_INFO = json.loads((ASSET_DIR / "build_info.json").read_text())

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import launch.targets as targets
 from launch.targets import TINY_TARGETS, ensure_target, make_target
 from launch.tokenizer import SPECIAL_TOKENS
-from launch.workload import generate_rows
+from data.workload import generate_rows
 
 FIT_STEPS = 2  # exercises the fit path; the real fit (~60 s) is the slow test's business
 HYBRIDS = ("tiny-qwen3-next", "tiny-qwen3.5-moe")

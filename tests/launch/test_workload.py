@@ -3,14 +3,15 @@
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 from data.formats import load_rows
-from launch import make_workload as mw
+from data import synthetic as mw
 from launch.targets import make_target
 from launch.tokenizer import as_hf, workload_tokenizer
-from launch.workload import CALLS_PER_MESSAGE, STAGE_CALLS, STAGES, generate_rows
+from data.workload import CALLS_PER_MESSAGE, STAGE_CALLS, STAGES, generate_rows
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,8 @@ def test_prompt_length_tracks_target(tok, prompt_tokens):
 def workload(tmp_path_factory):
     root = tmp_path_factory.mktemp("workload")
     target = make_target("tiny-qwen3-next", root / "target", fit_steps=0)
-    train, held = mw.make_workload(target, root / "data", rows=3, heldout=2, max_new_tokens=6, prompt_tokens=120)
+    train, held = mw.make_workload(target, root / "data", rows=3, heldout=2, max_new_tokens=6, prompt_tokens=120,
+                                   backend="hf")
     return target, train, held
 
 
@@ -86,19 +88,21 @@ def test_make_workload_writes_pretokenized_rows(workload, tok):
     assert json.loads((train.parent / "workload_meta.json").read_text())["rows_per_s"] > 0
 
 
-class _ScriptedModel:
-    """Stands in for the target: 'generates' fixed tokens so the eos handling is exercised exactly."""
-
-    def __init__(self, new_tokens):
-        self.new_tokens = new_tokens
-
-    def generate(self, input_ids, **kw):
-        return torch.cat([input_ids, torch.tensor([self.new_tokens])], dim=1)
-
-
-def test_generated_eos_is_kept_in_the_loss_mask(tok):
+def test_generated_eos_is_kept_in_the_loss_mask(tok, monkeypatch):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     row = generate_rows(1, seed=0)[0]
-    (out,) = mw._replay(_ScriptedModel([11, 12, eos]), tok, [row], max_new_tokens=8, desc="t")
+    monkeypatch.setattr(mw, "respond", lambda *args, **kw: [[11, 12, eos]])  # the target, scripted
+    (out,) = mw._replay("unused", tok, [row], max_new_tokens=8, backend="hf", desc="t")
     assert out["input_ids"][-3:] == [11, 12, eos] and out["loss_mask"][-4:] == [0, 1, 1, 1]
     assert sum(out["loss_mask"]) == 3 and "<|im_end|>" not in out["response_text"]
+
+
+def test_prompt_spread_draws_lengths_around_the_median(tok):
+    """Mission-shaped prompts: lognormal lengths around prompt_tokens (what lets packs fill), clipped to 3x."""
+    count = lambda s: _n_tokens(tok, s)
+    rows = generate_rows(60, seed=0, prompt_tokens=600, count_tokens=count, prompt_spread=0.3)
+    lengths = np.array([count(tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True))
+                        for r in rows])
+    spread = np.log(lengths).std()
+    assert 500 <= np.median(lengths) <= 800 and 0.15 <= spread <= 0.45 and lengths.max() <= 3 * 600 * 1.2
+    assert generate_rows(5, seed=0, prompt_tokens=600) == generate_rows(5, seed=0, prompt_tokens=600, prompt_spread=0)
