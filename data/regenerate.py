@@ -146,6 +146,7 @@ class _Writer:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f, self._tok, self._stops = path.open("a"), tokenizer, set(stop_ids)
         self.rows, self.response_tokens = 0, 0
+        self.started, self.first_row_at = time.perf_counter(), None
 
     def write(self, prompt: Prompt, response: list[int]) -> None:
         reason = "stop" if response and response[-1] in self._stops else "length"
@@ -156,6 +157,8 @@ class _Writer:
             row["stage"] = prompt.stage
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
+        if self.first_row_at is None:
+            self.first_row_at = time.perf_counter()
         self.rows += 1
         self.response_tokens += len(response)
 
@@ -203,9 +206,13 @@ def regenerate(target_dir: Path, cfg: RegenerateSettings) -> dict:
     if counts["seen"] == len(counts["too_long"]):
         raise ValueError(f"{cfg.input}: every prompt is longer than the target's context ({context} tokens)")
     seconds = time.perf_counter() - t0
+    # After the first row: the generation rate without the model load / engine start.
+    first = (writer.first_row_at or time.perf_counter()) - writer.started
     summary = {"backend": backend, "rows_written": writer.rows, "rows_already_written": counts["resumed"],
                "rows_skipped_too_long": len(counts["too_long"]), "output": str(out_path),
                "seconds": round(seconds, 1), "rows_per_s": round(writer.rows / max(seconds, 1e-9), 2),
+               "first_row_seconds": round(first, 1),
+               "rows_per_s_after_first": round((writer.rows - 1) / max(seconds - first, 1e-9), 2),
                "response_tokens": writer.response_tokens}
     log.info("regenerate: %s", json.dumps(summary))
     return summary

@@ -168,7 +168,8 @@ class VLLMBackend(FeatureBackend):
     [T, len(spec.layer_ids), hidden] tensor (over a private memfd the engine wrote into).
 
     One engine per backend, started in the constructor; call `close()` (or use `with`) to free it. `max_model_len`
-    (default: the target's max_position_embeddings) bounds a row: each row is prefilled in one piece.
+    (default: max_row_tokens + 1, else the target's max_position_embeddings) bounds a row to max_model_len - 1
+    tokens: each row is prefilled in one piece, and vLLM counts the one token a request generates.
     `dtype` is the engine's compute dtype ("float32", "bfloat16"; None = the checkpoint's, see `resolve_dtype`); the
     states are cast to `spec.hidden_dtype` as they are written. `device` must match the platform vLLM detected
     ("cpu" or "cuda").
@@ -178,7 +179,8 @@ class VLLMBackend(FeatureBackend):
                  max_model_len: int | None = None, batch_tokens: int | None = None, max_row_tokens: int | None = None,
                  **engine_kwargs: Any):
         super().__init__(target_dir, spec, device=device, dtype=dtype)
-        max_model_len = max_model_len or max_row_tokens
+        # A prefill-only request still asks for one output token, which vLLM counts against max_model_len.
+        max_model_len = max_model_len or (max_row_tokens + 1 if max_row_tokens else None)
         self._llm = None
         dtype = resolve_dtype(target_dir, dtype)
         config = target_text_config(target_dir)
@@ -254,9 +256,11 @@ class VLLMBackend(FeatureBackend):
             raise RuntimeError("VLLMBackend is closed")
         for row in rows:
             check_row(row, self._vocab_size)
-            if row.num_tokens > self.max_model_len:
-                raise ValueError(f"row {row.row_id}: {row.num_tokens} tokens, more than the engine's max_model_len="
-                                 f"{self.max_model_len} (raise max_model_len when constructing VLLMBackend)")
+            if row.num_tokens >= self.max_model_len:
+                raise ValueError(f"row {row.row_id}: {row.num_tokens} tokens, but the engine's max_model_len="
+                                 f"{self.max_model_len} takes rows of at most {self.max_model_len - 1} (vLLM counts "
+                                 "the one token a prefill-only request generates); raise max_model_len when "
+                                 "constructing VLLMBackend, up to the target's context + 1")
 
     def _prefill_into(self, rows: list[TokenizedRow], regions: list) -> None:
         """One generate call; the connector writes row i's hidden_TLD and input_ids_T into regions[i]. Raises,

@@ -1,6 +1,6 @@
 """Your prompts, the target's answers (data/regenerate.py has the details):
 
-    python -m launch.regenerate target.path=DIR input=prompts.jsonl output=train.jsonl \
+    python -m launch.regenerate target.path=DIR|target=NAME input=prompts.jsonl output=train.jsonl \
         [backend=auto|vllm|hf] [max_new_tokens=256] [temperature=0] [top_p=1] [stop=[...]] [batch_size=32] [seed=0]
 
 Prints a JSON summary last (rows written, rows/s, backend). Re-running with the same output resumes.
@@ -25,6 +25,8 @@ class RegenerateConfig(RegenerateSettings):
 
 
 def parse(argv: list[str]) -> RegenerateConfig:
+    # target=NAME as in launch.train (a committed or tiny target's name); target.path=DIR for any checkpoint
+    argv = [f"target.name={a.split('=', 1)[1]}" if a.startswith("target=") else a for a in argv]
     schema = OmegaConf.structured(RegenerateConfig)
     cfg = OmegaConf.merge(schema, OmegaConf.from_dotlist(argv))  # unknown keys fail here, naming the key
     for key in ("input", "output"):

@@ -96,3 +96,25 @@ def test_non_finite_hidden_states_stop_the_step_naming_step_and_row(small_traine
     assert all(torch.equal(before[k], after[k]) for k in before)  # the poisoned update never happened
     assert state.step == 3 and small_trainer.run.latest_checkpoint() is None
     assert not small_trainer.run.checkpoints.exists()
+
+
+def test_rows_longer_than_a_pack_are_cut_or_stop_the_run_before_training(tiny_target, cache_dir, tmp_path):
+    """~70-token rows, 48-token packs: truncate=left keeps every row, cut on the left with its response whole;
+    truncate=skip would skip them all, which stops the run before training, naming the count, the longest row and
+    the settings to change."""
+    from data.config import DataConfig as LoadSettings
+
+    target = tiny_target("tiny-llama")
+    train, heldout = resolve_data(DataConfig(rows=6, heldout_rows=2, prompt_tokens=60, max_new_tokens=8), target,
+                                  cache_dir)
+    drafter_cfg = DRAFTERS["dflash"][0](num_layers=1, max_anchors=32)
+    trainer_cfg = TrainerConfig(max_steps=2, ranks=1, device="cpu", token_budget=48, progress=False)
+    cut = Trainer(drafter_cfg, trainer_cfg, FeatureServerConfig(workers=1), tmp_path / "a", target, train, heldout,
+                  data_cfg=LoadSettings(truncate="left"), cache_dir=cache_dir)
+    assert len(cut.rows) == 6 and cut.train_skips.truncated == 6 and cut.rows.num_tokens.max() == 48
+    assert all(sum(r.loss_mask) >= 1 and r.loss_mask[-1] == 1 for r in cut.rows)
+    with pytest.raises(ValueError, match=r"6 of 6 rows \(100.0%\) would be skipped, more than "
+                                         r"data.max_skipped_fraction=0.01. The longest row is row \d+ \(\d+ tokens\) "
+                                         r"and a pack holds trainer.token_budget=48 \(data.truncate=skip\)"):
+        Trainer(drafter_cfg, trainer_cfg, FeatureServerConfig(workers=1), tmp_path / "b", target, train, heldout,
+                data_cfg=LoadSettings(truncate="skip"), cache_dir=cache_dir)

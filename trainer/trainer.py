@@ -114,9 +114,9 @@ class Trainer:
         progress = self.cfg.progress and self.dist.is_main
         self.rows, self.train_skips, store = load_selected(train_path, target_dir, cache_dir, self.pack_tokens,
                                                            data_cfg, progress)
+        check_skipped(store, self.train_skips, data_cfg.max_skipped_fraction, self.pack_tokens, data_cfg.truncate)
         if not len(self.rows):
             raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
-        check_skipped(store, self.train_skips, data_cfg.max_skipped_fraction, self.pack_tokens, data_cfg.truncate)
         log.info("train rows: %s", self.train_skips.summary())
         self.heldout_rows, self.heldout_skips, self.heldout_stages = [], None, {}
         if heldout_path:

@@ -103,6 +103,47 @@ def test_loads_mtp_tensors_with_zero_centred_norms(random_target, name):
     assert TargetHead(info).norm.zero_centred  # the verifier's final norm follows the same convention
 
 
+def test_fp8_mtp_weights_are_read_dequantized_and_exported_requantized(random_target, tmp_path):
+    """An FP8 target (launch.make_fp8: the MTP layer's projections are float8 with block scales): the drafter
+    reads each weight as fp8 x its scales, and its export stores the fine-tuned weights quantized again with new
+    scales, so reading the export back gives the tuned weights to FP8 precision (not the tuned values cast to fp8
+    under the old scales)."""
+    from core.fp8 import FP8, dequantize_blockwise, quantize_blockwise
+    from launch.make_fp8 import make_fp8
+
+    fp8_dir = make_fp8(random_target("tiny-qwen3-next"), tmp_path / "fp8", block=32)
+    raw = load_file(fp8_dir / "model.safetensors")
+    quantized = [k for k, v in raw.items() if k.startswith("mtp.") and v.dtype == FP8]
+    assert quantized and all(k + "_scale_inv" in raw for k in quantized)
+    by_hand = {k[len("mtp."):]: dequantize_blockwise(v, raw[k + "_scale_inv"]) if v.dtype == FP8 else v.float()
+               for k, v in raw.items() if k.startswith("mtp.") and not k.endswith("_scale_inv")}
+    info = TargetInfo.load(fp8_dir)
+    drafter = MTPDrafter(MTPConfig(), info)
+    reference = fuse_expert_weights(by_hand)
+    for key, value in drafter.state_dict().items():
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=0, msg=key)
+    tuned = perturbed(drafter)
+    drafter.export(tmp_path / "export", info)
+    written = load_file(tmp_path / "export" / "model.safetensors")
+    assert {k for k, v in written.items() if v.dtype == FP8} == {k for k, v in raw.items() if v.dtype == FP8}
+    back = MTPDrafter(MTPConfig(), TargetInfo.load(tmp_path / "export")).state_dict()
+
+    def fp8_round_trip(w):  # what quantizing with fresh block-32 scales and reading back gives
+        return dequantize_blockwise(*quantize_blockwise(w, 32))
+
+    for key, value in tuned.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):  # on disk: per expert, gate and up halves apart
+            expected = torch.stack([torch.cat([fp8_round_trip(h) for h in w.chunk(2, 0)]) for w in value])
+        elif key.endswith("experts.down_proj"):
+            expected = torch.stack([fp8_round_trip(w) for w in value])
+        elif "mtp." + key in quantized:
+            expected = fp8_round_trip(value)
+            assert not torch.equal(written["mtp." + key + "_scale_inv"], raw["mtp." + key + "_scale_inv"]), key
+        else:  # norms, fc, router: bf16 in the checkpoint
+            expected = value.to(torch.bfloat16).float()
+        torch.testing.assert_close(back[key], expected, rtol=0, atol=0, msg=key)
+
+
 def test_refuses_a_target_without_mtp_head(tiny_llama_dir):
     with pytest.raises(ValueError, match="no MoE MTP head"):
         MTPDrafter(MTPConfig(), TargetInfo.load(tiny_llama_dir))
