@@ -21,6 +21,8 @@ exactly:
   ngram_tokens_per_step: X
 --steps N: every drafter trains N steps instead of its FULL_STEPS entry (runs go to OUT/steps-N).
 --set KEY=VALUE: an override for every run, real and ablated (e.g. drafter.num_layers=2); named in the run dir.
+A finished run in the output directory is reused only if its resolved config (run_info.json) is the one asked for:
+a different one stops the bench, naming the keys that differ; a reused run prints the git SHA it ran at.
 --quick: 400 training rows, a few steps per drafter (minutes; a smoke run of the whole bench, numbers meaningless).
 --mtp: also MTP, which needs a target with an MTP head: small-real (a Llama) has none, so it runs on
 tiny-qwen3-next (templated data) and compares the fine-tuned layer with the one the target ships (its curve's step
@@ -28,13 +30,15 @@ tiny-qwen3-next (templated data) and compares the fine-tuned layer with the one 
 """
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -89,19 +93,54 @@ def data_overrides(quick: bool) -> list[str]:
     return ["data=corpus", f"data.rows={size['rows']}", f"data.heldout_rows={size['heldout_rows']}"]
 
 
+def composed_config(overrides: list[str]) -> dict:
+    """The resolved config `python -m launch.train OVERRIDES` runs with (Hydra's compose; nothing runs), as
+    run_info.json records it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from launch.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def config_differences(ran: dict, want: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved configs."""
+    out = []
+    for key in sorted(set(ran) | set(want)):
+        a, b = ran.get(key), want.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: ran {a!r}, asked {b!r}")
+    return out
+
+
 def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str], target: str = "small-real",
           data: list[str] | None = None) -> dict:
     """One `python -m launch.train` run (resumed if run_dir already has checkpoints); its metrics.json.
-    data: the data overrides (default: the corpus rows of data_overrides)."""
-    metrics = RunDir(run_dir).metrics
-    if metrics.is_file():
-        return json.loads(metrics.read_text())
+    data: the data overrides (default: the corpus rows of data_overrides). A finished run in run_dir is reused
+    only when its resolved config (run_info.json) is the one asked for; otherwise this refuses, naming the keys
+    that differ, rather than reprint another run's figures as this one's."""
     data = data_overrides(quick) if data is None else data
-    cmd = [sys.executable, "-m", "launch.train", f"drafter={drafter}", f"target={target}", *data,
-           f"trainer.max_steps={steps}", f"hydra.run.dir={run_dir}", "trainer.progress=false", *extra]
+    overrides = [f"drafter={drafter}", f"target={target}", *data, f"trainer.max_steps={steps}",
+                 "trainer.progress=false", *extra]
+    run = RunDir(run_dir)
+    if run.metrics.is_file():
+        ran = json.loads(run.run_info.read_text()) if run.run_info.is_file() else {}
+        wrong = config_differences(ran.get("config", {}), composed_config(overrides))
+        if wrong:
+            raise SystemExit(f"{run_dir} holds a finished run of another config ({'; '.join(wrong[:6])}): move it "
+                             "away, or pick another --out, to run this one")
+        print(f"reusing {run_dir} (same config; ran at git {ran.get('git_sha')})", flush=True)
+        return json.loads(run.metrics.read_text())
+    cmd = [sys.executable, "-m", "launch.train", *overrides, f"hydra.run.dir={run_dir}"]
     print("+", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1])
-    return json.loads(metrics.read_text())
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return json.loads(run.metrics.read_text())
 
 
 def baselines(target_dir: Path, train_path: Path, heldout_path: Path) -> dict:
@@ -159,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill"))
     a = ap.parse_args(argv)
     name = "quick" if a.quick else f"steps-{a.steps}" if a.steps else "full"
-    # Hydra's override grammar takes no '=' inside hydra.run.dir's value: drafter.num_layers=2 -> num_layers2
-    out = Path(a.out).resolve() / "-".join([name, *(o.split(".")[-1].replace("=", "") for o in a.set)])
+    # Hydra's override grammar takes no '=' inside hydra.run.dir's value: drafter.num_layers=2 -> num_layers2; the
+    # hash of the whole list keeps two overrides with the same last segment (drafter.loss, trainer.loss) apart.
+    tag = hashlib.sha256("\n".join(a.set).encode()).hexdigest()[:6]
+    out = Path(a.out).resolve() / "-".join([name, *(o.split(".")[-1].replace("=", "") for o in a.set),
+                                            *([tag] if a.set else [])])
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(a.cache_dir)
     target_dir = resolve_target(TargetConfig(name="small-real"), cache)

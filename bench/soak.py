@@ -5,17 +5,16 @@ packs, so the workers spend most of their time blocked on backpressure) for a bo
 --every seconds: the RSS of the trainer and of each feature worker, and the machine's shared memory in use
 (/proc/meminfo Shmem: the rings are unlinked once mapped, so they show there and not as files) and the shared
 memory this run's processes have mapped (their /proc/PID/maps entries of the run's /dev/shm names, which other
-jobs on the machine do not move). Epochs repeat, so feature servers, and their workers, are started and stopped
-many times: a worker's RSS climbs from start-up to its working size and then the worker ends, so the samples
-of the summed worker RSS oscillate. What can leak across lifetimes is each worker's peak, so that is tracked
-per worker process. Then it stops the run with SIGTERM (a clean shutdown) and checks that no file of the run
-is left in /dev/shm.
+jobs on the machine do not move). One feature server serves the whole run: its workers load the target once and
+stream epoch after epoch, so they live as long as the run, and a leak in them shows as growth of their summed RSS
+across the epochs, as a leak in the trainer does in its own. Then it stops the run with SIGTERM (a clean shutdown)
+and checks that no file of the run is left in /dev/shm.
 
 Prints the curve (one line per sample), then last ("growth" = the last quarter's mean minus the second
 quarter's; the first quarter is warm-up):
   trainer_rss_growth_mb: X
-  worker_peak_rss_growth_mb: X   over workers ordered by start time, each counted at its peak RSS (VmHWM)
-  worker_lifetimes: N
+  worker_rss_growth_mb: X        the live feature workers' summed RSS
+  workers_started: N             feature worker processes seen (2 unless one died and was replaced)
   run_shm_growth_mb: X           shared memory mapped by the run's processes
   shm_growth_mb: X               the machine's Shmem
   leftover_shm_files: N
@@ -59,14 +58,6 @@ def feature_workers(trainer: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def peak_rss_mb(pid: int) -> float:
-    """The kernel's high-water mark of the process's RSS (VmHWM): its peak, however sparse the sampling."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise OSError(f"no VmHWM for pid {pid}")
-
-
 def run_shm_mb(procs, marker: str) -> float:
     """Shared memory mapped by `procs` from files whose name holds `marker`, each file counted once."""
     sizes: dict[str, int] = {}
@@ -108,7 +99,7 @@ def main() -> None:
     trainer = psutil.Process(proc.pid)
     key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
     marker = f"/dev/shm/specdistill_{key}_"
-    rows, peaks, t0 = [], {}, time.monotonic()  # peaks: worker pid -> [first seen, peak RSS MB]
+    rows, seen, t0 = [], set(), time.monotonic()  # seen: every feature worker pid
     print("t_s  trainer_rss_mb  workers  worker_rss_mb  run_shm_mb  shmem_mb  steps")
     try:
         while time.monotonic() - t0 < args.minutes * 60:
@@ -119,12 +110,10 @@ def main() -> None:
             now, worker_rss = time.monotonic() - t0, 0.0
             for w in workers:
                 try:
-                    rss, peak = w.memory_info().rss / 2**20, peak_rss_mb(w.pid)
-                except (psutil.Error, OSError):
+                    worker_rss += w.memory_info().rss / 2**20
+                except psutil.Error:
                     continue
-                worker_rss += rss
-                seen = peaks.setdefault(w.pid, [now, 0.0])
-                seen[1] = max(seen[1], peak)
+                seen.add(w.pid)
             log = RunDir(run_dir).train_log
             steps = log.read_text().count('"loss"') * 50 if log.is_file() else 0  # training records
             rows.append((now, trainer.memory_info().rss / 2**20, len(workers), worker_rss,
@@ -134,10 +123,9 @@ def main() -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith(f"specdistill_{key}_")]
-    lifetimes = [peak for _, peak in sorted(peaks.values())[:-2]]  # the last two were cut off by the stop
     print(f"trainer_rss_growth_mb: {growth([r[1] for r in rows]):.1f}")
-    print(f"worker_peak_rss_growth_mb: {growth(lifetimes or [0.0]):.1f}")
-    print(f"worker_lifetimes: {len(lifetimes)}")
+    print(f"worker_rss_growth_mb: {growth([r[3] for r in rows]):.1f}")
+    print(f"workers_started: {len(seen)}")
     print(f"run_shm_growth_mb: {growth([r[4] for r in rows]):.1f}")
     print(f"shm_growth_mb: {growth([r[5] for r in rows]):.1f}")
     print(f"leftover_shm_files: {len(leftovers)}")

@@ -40,7 +40,10 @@ def _best_fit_decreasing(lengths: np.ndarray, budget: int, base: int) -> list[np
         else:
             room = np.append(room, budget - n)
             members.append([base + int(i)])
-    return [np.array(m, dtype=np.int64) for m in members]
+    # Packs in the order of their first row in the file: the plan regroups rows, it does not reorder the data (one
+    # rank x N packs then sees the rows N ranks x 1 pack see, step for step: tests/test_e2e.py).
+    members.sort(key=min)
+    return [np.array(sorted(m), dtype=np.int64) for m in members]
 
 
 def pack_fill(num_tokens: np.ndarray, packs: list[np.ndarray], token_budget: int) -> float:

@@ -237,7 +237,9 @@ class DFlash2Drafter(DFlashDrafter):
         hidden_NKD = self.block_hidden(batch, head, anchors_N)[:, 1:]
         N, K, _ = hidden_NKD.shape
         values_MC, cand_MC = chunked_topk(hidden_NKD.flatten(0, 1), head.lm_head.weight, self.cfg.selector_top_k)
-        prev_NK = batch.input_ids_T[anchors_N[:, None] + torch.arange(K, device=anchors_N.device)]
+        # past the row's end the previous token is unknown and its slot never scored: clamp, as MTP and DSpark do
+        at_NK = anchors_N[:, None] + torch.arange(K, device=anchors_N.device)
+        prev_NK = batch.input_ids_T[at_NK.clamp(max=batch.input_ids_T.shape[0] - 1)]
         scores_MC = values_MC + self.candidate_selector.transition_scores(
             hidden_NKD.flatten(0, 1), prev_NK.flatten(), cand_MC).float()
         out_MV = scores_MC.new_full((N * K, head.lm_head.weight.shape[0]), float("-inf"))

@@ -346,7 +346,8 @@ class Eagle3Drafter(Drafter):
         chain_N = pairs.index_T[anchors_N]
         order = torch.argsort(chain_N)
         anchor_sorted_N = anchors_N[order]
-        teacher = lambda s, _: batch.input_ids_T[anchor_sorted_N + s]  # noqa: E731
+        last = batch.input_ids_T.shape[0] - 1  # past the row's end the teacher token is unknown and never scored
+        teacher = lambda s, _: batch.input_ids_T[(anchor_sorted_N + s).clamp(max=last)]  # noqa: E731
         normed = self.unroll(batch, head, pairs, chain_N[order], self.num_speculative_tokens, teacher)
         draft_NKV = torch.stack([self.lm_head(x) for x in normed], 1)
         out = draft_NKV.new_full((*draft_NKV.shape[:2], head.lm_head.weight.shape[0]), float("-inf"))

@@ -229,6 +229,11 @@ class _ConsumerRing:
         self.last_end = region.end
         return np.frombuffer(self.mm, dtype=np.uint8, count=size_P, offset=start % self.size), region
 
+    def idle(self) -> bool:
+        """No region of this ring is held any more."""
+        self.tail()
+        return not self.regions
+
     def tail(self) -> int:
         """Everything before the first region still in use is free."""
         while self.regions and self.regions[0].freed:
@@ -498,6 +503,7 @@ class ShmChannel:
         self._writers: dict[int, object] = {}  # our copies of the write ends, until the producer has started
         self._local: dict[int, ShmProducer] = {}
         self._rings: dict[int, _ConsumerRing] = {}
+        self._retired: set[int] = set()  # dead producers whose ring is dropped once its last view is gone
         self._order: list[int] = []  # round-robin over producers with messages waiting
         self._closed = False
         self._advancing = False
@@ -599,12 +605,29 @@ class ShmChannel:
         try:
             for pid, ring in list(self._rings.items()):
                 self._tails[pid] = ring.tail()
+            self._drop_retired_rings()
         finally:
             self._advancing = False
 
     def release_producer(self, producer_id: int) -> None:
-        """A producer died: return the oversized capacity it reserved but never delivered."""
+        """A producer died: return the oversized capacity it reserved but never delivered, and unmap its ring as
+        soon as no sample of it is held (a dead worker's ring is ~2.7 GB with the node preset; a run outlives many
+        workers)."""
         self._released[producer_id] = self._reserved[producer_id]
+        self._retired.add(producer_id)
+        self._drop_retired_rings()
+
+    def _drop_retired_rings(self) -> None:
+        for pid in list(self._retired):
+            ring = self._rings.get(pid)
+            if ring is None or ring.idle():
+                self._rings.pop(pid, None)  # the mapping closes with its last reference
+                self._retired.discard(pid)
+
+    @property
+    def mapped_rings(self) -> int:
+        """Rings this consumer maps now (tests: a dead producer's ring does not stay)."""
+        return len(self._rings)
 
     def bytes_in_flight(self) -> int:
         """Ring bytes written and not yet free again, plus oversized bytes in flight."""

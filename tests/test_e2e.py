@@ -39,13 +39,17 @@ def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
         assert key in first, key
     assert first["drafter"] == "dflash" and first["steps"] == 3
     assert len(first["per_position_acceptance"]) == 7
-    # tau is 1 + the accepted tokens per step, and it is the held-out point the export was selected at: the best
-    # of a curve that starts at the untrained drafter (step 0), so the export is never worse than no training.
+    # tau is 1 + the accepted tokens per step. The export is the best point of a curve that starts at the untrained
+    # drafter (step 0), chosen on the selection half of the held-out rows (re-walked there: the same tau); tau_offline
+    # walks it on the other half, which the choice never saw (trainer/validation.py).
     assert first["tau_offline"] == pytest.approx(1 + sum(first["per_position_acceptance"]))
     curve = first["heldout_curve"]
     assert [p["step"] for p in curve] == [0, 1, 2, 3] and first["export_selected"]["policy"] == "best"
     selected = next(p for p in curve if p["step"] == first["export_selected"]["step"])
-    assert first["tau_offline"] == pytest.approx(selected["heldout_tau"]) == max(p["heldout_tau"] for p in curve)
+    assert first["tau_offline_selection_rows"] == pytest.approx(selected["heldout_tau"]) == \
+        max(p["heldout_tau"] for p in curve)
+    split = first["heldout_split"]
+    assert split["split"] and split["selection_rows"] + split["report_rows"] >= 2
     by_stage = first["acceptance_by_stage"]  # workload stages of the held-out rows; drafts add up to the total
     assert by_stage and sum(s["num_drafts"] for s in by_stage.values()) == first["heldout_drafts"]
     assert (run.export / "config.json").is_file() and (run.export / "model.safetensors").is_file()

@@ -407,6 +407,9 @@ class Trainer:
                 "final_loss": state.last_loss,
                 "train_accuracy_per_position": self.totals.summary()["accuracy_per_position"],
                 "tau_offline": counts.tau if counts else None,
+                "tau_offline_selection_rows": (self.validator.on_selection_rows(drafter, self.head).tau
+                                               if self.validator else None),
+                "heldout_split": self.validator.split if self.validator else None,
                 "per_position_acceptance": counts.per_position if counts else None,
                 "conditional_acceptance": counts.conditional if counts else None,
                 "heldout_drafts": counts.num_drafts if counts else 0,

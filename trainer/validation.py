@@ -8,9 +8,11 @@ training batches; the held-out walk is what vLLM will see, and the probe walk ne
 rising gap) while it happens.
 
 The export is the weights with the best held-out tau (`trainer.export=best`, the default) or the last ones
-(`export=last`). The best weights travel in every checkpoint, so a resumed run keeps them. The selection and the
-reported tau use the same held-out rows, which favours the selected weights slightly; docs/quality.md says by how
-much on the development target.
+(`export=last`). The best weights travel in every checkpoint, so a resumed run keeps them. The held-out rows are
+split in two (alternate rows): the curve, and so the choice of the best weights, walks the selection half; the
+headline `tau_offline` walks the export on the other half, which the choice never saw, so picking the best of
+several points does not flatter it (`tau_offline_selection_rows` is the same export on the selection half). With a
+single held-out row there is nothing to split: both walk it, and metrics.json says so.
 """
 
 import math
@@ -48,6 +50,7 @@ class Validator:
                  state: ValidationState, stages: dict[int, str] | None = None):
         self.heldout, self.probe, self.layer_ids, self.device = heldout, probe, layer_ids, device
         self.state, self.stages = state, stages
+        self.selection, self.reported = split_heldout(heldout)
 
     def walk(self, drafter, head, samples, stages=None):
         return evaluate_as_served(drafter, head, samples, self.layer_ids, self.device, stages=stages)
@@ -57,7 +60,7 @@ class Validator:
         """Walk held-out and probe rows now; record the point; keep the weights if they are the best so far.
         train_seconds: time spent in training steps so far (no feature waits, no walks), so a curve can be read
         at a time budget ("held-out tau after 30 minutes of training")."""
-        heldout = self.walk(drafter, head, self.heldout).total
+        heldout = self.walk(drafter, head, self.selection).total
         probe = self.walk(drafter, head, self.probe).total if self.probe else None
         point = {"step": step, "train_tokens": train_tokens, "training_seconds": train_seconds,
                  "heldout_tau": heldout.tau,
@@ -72,8 +75,25 @@ class Validator:
         return point
 
     def report(self, drafter, head):
-        """The final held-out report (per stage too) of `drafter` as served."""
-        return self.walk(drafter, head, self.heldout, self.stages)
+        """The final held-out report (per stage too) of `drafter` as served, on the rows the choice of the best
+        weights never saw."""
+        return self.walk(drafter, head, self.reported, self.stages)
+
+    def on_selection_rows(self, drafter, head):
+        return self.walk(drafter, head, self.selection).total
+
+    @property
+    def split(self) -> dict:
+        return {"selection_rows": len(self.selection), "report_rows": len(self.reported),
+                "split": self.selection is not self.reported}
+
+
+def split_heldout(samples: list) -> tuple[list, list]:
+    """(selection rows, report rows): alternate rows in row-id order; one row serves both when there is one."""
+    ordered = sorted(samples, key=lambda s: s.row_id)
+    if len(ordered) < 2:
+        return ordered, ordered
+    return ordered[0::2], ordered[1::2]
 
 
 def resolve_eval_every(eval_every: int | None, max_steps: int) -> int:

@@ -26,3 +26,24 @@ def test_the_ablation_is_compared_with_the_real_curve_at_its_own_last_step():
     steps = 450
     real = {"heldout_curve": [{"step": s, "heldout_tau": 1.0 + s / 100} for s in range(0, steps + 1, steps // 5)]}
     assert ablation_steps(steps) == 180 and curve_point(real, ablation_steps(steps)) == 2.8
+
+
+def test_a_finished_run_is_reused_only_for_the_config_it_ran(tmp_path):
+    """A run dir holding another config's finished run is refused, naming the key, never reprinted as this run."""
+    import json
+
+    import pytest
+
+    from bench.quality import composed_config, train
+    from core.run_dir import RunDir
+
+    run = RunDir(tmp_path / "dflash")
+    run.path.mkdir(parents=True)
+    asked = ["drafter=dflash", "target=small-real", "data=corpus", "trainer.max_steps=5", "trainer.progress=false"]
+    ran = composed_config([*asked[:3], "trainer.max_steps=5", "trainer.progress=false", "drafter.loss=kl"])
+    run.run_info.write_text(json.dumps({"git_sha": "abc123", "config": ran}))
+    run.metrics.write_text(json.dumps({"tau_offline": 9.9}))
+    with pytest.raises(SystemExit, match=r"another config \(drafter.loss: ran 'kl', asked 'ce'\)"):
+        train("dflash", tmp_path / "dflash", 5, False, [], data=["data=corpus"])
+    run.run_info.write_text(json.dumps({"git_sha": "abc123", "config": composed_config(asked)}))
+    assert train("dflash", tmp_path / "dflash", 5, False, [], data=["data=corpus"]) == {"tau_offline": 9.9}

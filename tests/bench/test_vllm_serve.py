@@ -127,26 +127,24 @@ def test_speculative_greedy_outputs_identical_to_base(comparison, prompts):
 
 
 @pytest.mark.slow
-def test_counters_consistent(comparison):
+def test_counters_agree_with_the_outputs_and_the_report_prints_them(comparison, prompts):
+    """vLLM's acceptance counters against the outputs they produced (an independent source): each request's first
+    token comes from prefill and every draft step emits its accepted tokens plus one, so the drafts and accepted
+    tokens account for every other output token (up to K per request of a last step cut by max_tokens). The
+    report's last lines print those counters: tau = 1 + accepted / drafts, a_k = accepted at k / drafts."""
     c = comparison.spec.counters
-    assert c.num_drafts > 0
-    assert c.num_draft_tokens == c.num_drafts * K
-    assert len(c.accepted_per_pos) == K
-    assert sum(c.accepted_per_pos) == c.num_accepted_tokens
+    emitted = sum(len(o) - 1 for o in comparison.spec.output_token_ids)
+    assert c.num_drafts > 0 and c.num_accepted_tokens > 0  # the hand-set drafter is accepted sometimes
+    assert emitted <= c.num_drafts + c.num_accepted_tokens <= emitted + K * len(prompts)
+    assert c.num_draft_tokens == c.num_drafts * K and sum(c.accepted_per_pos) == c.num_accepted_tokens
     assert list(c.accepted_per_pos) == sorted(c.accepted_per_pos, reverse=True)  # cumulative: non-increasing
-    assert c.num_accepted_tokens > 0  # the hand-set drafter is accepted sometimes; 0 would leave this untested
-    assert c.tau == pytest.approx(1 + c.num_accepted_tokens / c.num_drafts)
-    assert c.tau == pytest.approx(1 + sum(c.per_position_acceptance))
-
-
-@pytest.mark.slow
-def test_report_lines_end_with_headline_values(comparison, prompts):
     lines = report_lines(comparison)
-    names = [line.split(":")[0] for line in lines]
-    assert names[-3:] == ["identical_outputs", "tau_served", "per_position_acceptance"]
-    assert lines[-3] == f"identical_outputs: {len(prompts)}/{len(prompts)}"
-    assert float(lines[-2].split(": ")[1]) == pytest.approx(comparison.spec.counters.tau, abs=1e-3)
-    assert len(lines[-1].split(": ")[1].split()) == K
+    assert [line.split(":")[0] for line in lines[-3:]] == ["identical_outputs", "tau_served", "per_position_acceptance"]
+    same = sum(a == b for a, b in zip(comparison.spec.output_token_ids, comparison.base.output_token_ids))
+    assert lines[-3] == f"identical_outputs: {same}/{len(prompts)}"
+    assert float(lines[-2].split(": ")[1]) == pytest.approx(1 + c.num_accepted_tokens / c.num_drafts, abs=1e-3)
+    printed = [float(x) for x in lines[-1].split(": ")[1].split()]
+    assert printed == pytest.approx([n / c.num_drafts for n in c.accepted_per_pos], abs=1e-3)
 
 
 def test_drafter_without_method_raises(tiny_llama, drafter_dir):

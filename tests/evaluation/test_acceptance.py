@@ -163,6 +163,30 @@ def test_draft_distribution_argmax_is_the_greedy_draft_when_the_row_follows_it(t
     assert torch.equal(logits.argmax(-1), drafter.propose(batch, head, anchors))
 
 
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dflash2", "eagle3", "mtp"])
+def test_sampled_drafting_walks_every_anchor_to_the_row_end(tiny_llama_dir, tmp_path, name):
+    """draft_mode=sample asks each drafter for its distribution at every anchor of the response, the last ones
+    included (anchor + K runs past the row): no drafter may index past the row, and every anchor is walked."""
+    from core.target import TargetHead, TargetInfo
+    from evaluation.acceptance import AcceptanceCounts, evaluate_sample
+
+    if name == "mtp":
+        from drafters.mtp import MTPConfig, MTPDrafter
+        from launch.targets import make_target
+
+        info = TargetInfo.load(make_target("tiny-qwen3-next", tmp_path / "t", fit_steps=0))
+        drafter = MTPDrafter(MTPConfig(num_speculative_tokens=3), info)
+    else:
+        info, drafters = _drafters(tiny_llama_dir)
+        drafter = drafters[name]
+    head, counts = TargetHead(info), AcceptanceCounts(drafter.num_speculative_tokens)
+    batch = _batch(info, drafter.feature_spec().layer_ids, lengths=(24,), prompt=(8,))
+    with torch.no_grad():
+        evaluate_sample(drafter.eval(), head, batch, counts, temperature=1.0, draft_mode="sample", seed=1)
+    assert counts.num_drafts >= (24 - 8 - 1) // (drafter.num_speculative_tokens + 1)  # the walk reached the end
+    assert counts.rows_too_short == 0
+
+
 def test_draft_distribution_of_mtp(tmp_path):
     from drafters.mtp import MTPConfig, MTPDrafter
     from launch.targets import make_target
@@ -221,11 +245,11 @@ def test_report_by_stage_sums_to_the_total_and_is_seeded_per_row(tiny_llama_dir)
     args = (drafter, head, samples, layer_ids, torch.device("cpu"), torch.float32)
     greedy = evaluate_report(*args, stages=stages)
     assert set(greedy.by_stage) == {"x", "y", NO_STAGE}
-    assert greedy.total == evaluate(*args)
-    assert greedy.total.num_drafts == sum(c.num_drafts for c in greedy.by_stage.values())
-    assert greedy.total.accepted_per_pos == [sum(c.accepted_per_pos[k] for c in greedy.by_stage.values())
-                                             for k in range(3)]
-    assert greedy.total.num_accepted > 0
+    assert greedy.total == evaluate(*args) and greedy.total.num_accepted > 0
+    # Each stage's counts are what walking that stage's rows alone gives (rows 0 and 2 are "x", row 3 has none).
+    for stage, ids in (("x", [0, 2]), ("y", [1]), (NO_STAGE, [3])):
+        alone = evaluate(drafter, head, [samples[i] for i in ids], *args[3:])
+        assert greedy.by_stage[stage] == alone, stage
     for mode in ("greedy", "sample"):
         one = evaluate_report(*args, stages=stages, temperature=1.0, draft_mode=mode, seed=3)
         again = evaluate_report(drafter, head, samples[::-1], *args[3:], stages=stages, temperature=1.0,
@@ -234,3 +258,45 @@ def test_report_by_stage_sums_to_the_total_and_is_seeded_per_row(tiny_llama_dir)
         assert json.loads(json.dumps(one.to_dict()))["by_stage"]["x"]["K"] == 3
     with pytest.raises(ValueError, match="draft_mode"):
         evaluate_report(*args, draft_mode="beam")
+
+
+class _TargetGreedyDrafter(torch.nn.Module):
+    """Drafts exactly the target's greedy continuation (argmax of the head on the layer-L state before each
+    position), whatever the row says: accepted in full by an engine that verifies against the target."""
+
+    num_speculative_tokens = 3
+
+    def __init__(self, last: int):
+        super().__init__()
+        self.last = last
+
+    def propose(self, batch, head, anchors_N):
+        greedy_T = head.argmax(batch.hidden_TLD[:, self.last])  # greedy_T[p] = the target's token at p + 1
+        at_NK = anchors_N[:, None] + torch.arange(self.num_speculative_tokens)
+        return greedy_T[at_NK.clamp(max=len(greedy_T) - 1)]
+
+
+def test_drafts_are_judged_against_the_targets_greedy_tokens_not_the_rows(tiny_llama_dir):
+    """Rows not written by this target greedily: half the response positions hold another token than the target's
+    argmax. A drafter of the target's greedy continuation is then fully accepted (what vLLM does: it verifies
+    against the target), and the disagreement is measured; judging against the row would accept ~half."""
+    from core.target import TargetHead, TargetInfo
+
+    info = TargetInfo.load(tiny_llama_dir)
+    head, layer_ids = TargetHead(info), (info.num_hidden_layers,)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(3):
+        T, prompt = 40, 10
+        hidden = torch.randn(T, 1, info.hidden_size, generator=g)
+        greedy_next = head.argmax(hidden[:, 0])  # the target's token at p, from the state at p - 1
+        ids = torch.randint(0, info.vocab_size, (T,), generator=g)
+        ids[prompt::2] = greedy_next[prompt - 1:-1:2]  # agree at even positions ...
+        ids[prompt + 1::2] = (greedy_next[prompt:-1:2] + 1) % info.vocab_size  # ... and differ at odd ones
+        samples.append(FeatureSample(i, ids, torch.arange(T) >= prompt, hidden))
+    counts = evaluate(_TargetGreedyDrafter(0), head, samples, layer_ids, torch.device("cpu"), torch.float32)
+    assert counts.disagreement_fraction == pytest.approx(0.5)  # 15 of the 30 response positions of each row
+    # 30 response tokens per row: 7 drafts accepted in full (4 tokens each with the target's own), then one with
+    # a single known position left (the row ends): a_k = [8, 7, 7] / 8 drafts, exactly.
+    assert counts.num_drafts == 8 * len(samples)
+    assert counts.per_position == pytest.approx([1.0, 7 / 8, 7 / 8])

@@ -185,6 +185,34 @@ def _produce_forever(producer) -> None:
         producer.put(i, _payload(i))
 
 
+def _put_one_and_exit(producer) -> None:
+    producer.put(7, _payload())
+    producer.close()
+
+
+def test_a_dead_producers_ring_is_unmapped_once_its_last_sample_is_dropped():
+    """The consumer maps each producer's ring; a producer that died must not keep its ring mapped for the rest of
+    the run: it goes when release_producer is called and no sample of it is held (at once if none is)."""
+    with ShmChannel(1 << 20, prefix=_prefix(), handle_signals=False, producers=2) as ch:
+        for pid in (0, 1):
+            p = mp.get_context("spawn").Process(target=_put_one_and_exit, args=(ch.producer(pid),))
+            p.start()
+            ch.started(pid)
+            p.join(HANG_GUARD_S)
+        held = [m for m in (ch.get(timeout=HANG_GUARD_S) for _ in range(4)) if m.kind == "data"]
+        assert sorted(m.producer_id for m in held) == [0, 1] and ch.mapped_rings == 2
+        ch.release_producer(0)
+        assert ch.mapped_rings == 2  # producer 0's sample is still held: its ring stays mapped
+        sample = next(m for m in held if m.producer_id == 0)
+        assert torch.equal(sample.tensors["fp32"], _payload()["fp32"])  # and readable
+        held = [m for m in held if m.producer_id != 0]
+        del sample
+        assert ch.mapped_rings == 1  # dropped with its last view
+        held.clear()
+        ch.release_producer(1)
+        assert ch.mapped_rings == 0
+
+
 def test_killed_producer_leftovers_swept_at_close_and_at_next_start():
     size = _one_payload_bytes()
     ch = ShmChannel(2 * size, prefix=_prefix())

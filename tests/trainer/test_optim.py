@@ -71,11 +71,23 @@ def test_muon_on_cpu_is_torchs_iteration_in_fp32():
 
 
 def test_cpu_muon_step_moves_each_matrix_by_its_orthogonalised_update():
-    from trainer.optim import GatheredMuon, newton_schulz_fp32
+    """Against two references that share no code with ours: torch.optim.Muon itself (its bf16 Newton-Schulz), and
+    the exact orthogonal factor U V^T of the gradient, which the quintic iteration approximates."""
+    from trainer.optim import GatheredMuon
 
+    torch.manual_seed(0)
+    settings = dict(lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw")
     w = torch.nn.Parameter(torch.randn(8, 5))
+    ref = torch.nn.Parameter(w.detach().clone())
     w.grad = torch.randn(8, 5)
-    before, grad = w.detach().clone(), w.grad.clone()
-    GatheredMuon([w], lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw").step()
-    expected = before - 0.1 * 0.2 * 8**0.5 * newton_schulz_fp32(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
-    assert torch.allclose(w.detach(), expected, atol=1e-6)
+    ref.grad = w.grad.clone()
+    before = w.detach().clone()
+    GatheredMuon([w], **settings).step()
+    torch.optim.Muon([ref], **settings).step()
+    # bf16 iterations vs fp32 ones: entries of the ~0.06-scale update agree to a few bf16 steps
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=0, atol=2e-3)
+    step = (before - w.detach()) / (0.1 * 0.2 * 8**0.5)
+    u, _, vh = torch.linalg.svd(ref.grad, full_matrices=False)
+    cos = torch.nn.functional.cosine_similarity(step.flatten(), (u @ vh).flatten(), dim=0)
+    singular = torch.linalg.svdvals(step)
+    assert cos > 0.95 and singular.min() > 0.6 and singular.max() < 1.25, (cos, singular)

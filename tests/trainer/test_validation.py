@@ -49,7 +49,10 @@ def test_held_out_curve_best_export_and_resume_keep_the_best(data, tmp_path):
             point["train_rows_tau"] - point["heldout_tau"])
     best = max(curve, key=lambda p: p["heldout_tau"])  # ties: the first (strictly better replaces)
     assert metrics["export_selected"] == {"policy": "best", "step": best["step"], "heldout_tau": best["heldout_tau"]}
-    assert metrics["tau_offline"] == pytest.approx(best["heldout_tau"])  # the exported weights, re-walked
+    # The exported weights re-walked on the rows the curve (and so the choice) used, and on the other half.
+    assert metrics["tau_offline_selection_rows"] == pytest.approx(best["heldout_tau"])
+    assert metrics["heldout_split"] == {"selection_rows": 2, "report_rows": 1, "split": True}
+    assert metrics["tau_offline"] >= 1.0 and metrics["heldout_drafts"] > 0
     saved = load_checkpoint(trainer.run.latest_checkpoint(), trainer.meta)
     assert saved.validation["best_step"] == best["step"] and saved.validation["curve"] == curve
     log = [json.loads(line) for line in RunDir(tmp_path / "run").train_log.read_text().splitlines()]
@@ -99,3 +102,15 @@ def test_ablation_takes_the_inputs_away_and_keeps_the_labels():
         check_ablation("zero", [4], 4)
     with pytest.raises(ValueError, match="valid: none, zero, shuffle"):
         check_ablation("noise", [1], 4)
+
+
+def test_held_out_rows_split_into_selection_and_report_halves():
+    from types import SimpleNamespace
+
+    from trainer.validation import split_heldout
+
+    rows = [SimpleNamespace(row_id=i) for i in (5, 1, 9, 3, 7)]
+    selection, report = split_heldout(rows)
+    assert [r.row_id for r in selection] == [1, 5, 9] and [r.row_id for r in report] == [3, 7]
+    one = [SimpleNamespace(row_id=4)]
+    assert split_heldout(one) == (one, one)  # nothing to split: both walk it (metrics say split: false)

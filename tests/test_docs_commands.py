@@ -1,0 +1,122 @@
+"""Docs name only what exists: every `python -m MODULE` / `python SCRIPT.py` command quoted in README.md and docs/
+names a real module or script, its `--flags` are the script's own, and every `key=value` it gives launch.train,
+launch.ray_job or launch.regenerate is a real config group option or key."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.cli import REPO
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+COMMAND = re.compile(r"python3? (?P<target>-m [\w.]+|[\w/]+\.py)(?P<args>[^`|]*)")
+HYDRA_ENTRY_POINTS = ("launch.train", "launch.ray_job")
+
+
+def quoted_commands() -> list[tuple[str, str, list[str]]]:
+    """(doc:line, module or script, argument tokens) for every command in the docs; continued lines joined."""
+    found = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            line, start = lines[i], i
+            while line.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line.rstrip()[:-1] + " " + lines[i]
+            for m in COMMAND.finditer(line):
+                args = m.group("args").split("#")[0]
+                args = re.sub(r"\[[^\]]*\]", " ", args)  # [optional] parts: placeholders
+                found.append((f"{doc.relative_to(REPO)}:{start + 1}", m.group("target"), args.split()))
+            i += 1
+    return found
+
+
+COMMANDS = quoted_commands()
+
+
+def _source(target: str) -> Path:
+    if target.startswith("-m "):
+        spec = importlib.util.find_spec(target[3:])
+        assert spec is not None and spec.origin, f"no module {target[3:]}"
+        return Path(spec.origin)
+    return REPO / target
+
+
+def _is_placeholder(value: str) -> bool:
+    return value in ("...", "N", "DIR", "FILE") or value.isupper() or "<" in value or value.startswith("/")
+
+
+def _hydra_problems(args: list[str]) -> list[str]:
+    """Group options that have no conf file, dotted keys the composed config lacks."""
+    from hydra import compose, initialize_config_dir
+
+    from launch.config import register_configs
+
+    problems, groups, keys = [], [], []
+    for arg in args:
+        if "=" not in arg or arg.startswith(("-", "hydra.", "+")):
+            continue
+        key, value = arg.split("=", 1)
+        if "." in key:
+            keys.append(key)
+            continue
+        for option in value.split(","):  # a sweep: a,b
+            if not _is_placeholder(option) and not (REPO / "conf" / key / f"{option}.yaml").is_file():
+                problems.append(f"{key}={option}: no conf/{key}/{option}.yaml")
+            elif not _is_placeholder(option):
+                groups.append(f"{key}={option}")
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=list(dict.fromkeys(groups)))
+    for key in keys:
+        if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
+            problems.append(f"{key}: no such config key")
+    return problems
+
+
+@pytest.mark.parametrize("where, target, args", COMMANDS, ids=[f"{w} {t}" for w, t, _ in COMMANDS])
+def test_a_quoted_command_names_what_exists(where, target, args):
+    source = _source(target)
+    assert source.is_file(), f"{where}: {target} does not exist"
+    text = source.read_text()
+    problems = [f"{a}: not a flag of {target}" for a in args
+                if a.startswith("--") and f'"{a.split("=")[0]}"' not in text]
+    module = target[3:] if target.startswith("-m ") else None
+    if module in HYDRA_ENTRY_POINTS:
+        problems += _hydra_problems(args)
+    elif module == "launch.regenerate":
+        from dataclasses import fields
+
+        from launch.regenerate import RegenerateConfig
+
+        names = {f.name for f in fields(RegenerateConfig)}
+        problems += [f"{a}: not a launch.regenerate setting" for a in args
+                     if "=" in a and a.split("=")[0].split(".")[0] not in names]
+    assert not problems, f"{where}: {problems}"
+
+
+def test_the_docs_quote_the_main_commands():
+    targets = {t for _, t, _ in COMMANDS}
+    assert {"-m launch.train", "-m launch.regenerate", "bench/data.py", "bench/quality.py"} <= targets
+
+
+OVERRIDE = re.compile(r"`((?:data|drafter|feature_server|logger|trainer|target)(?:\.\w+)+)=[^` ]*`")
+
+
+def test_every_override_quoted_in_the_docs_is_a_config_key():
+    """`group.key=value` spans in prose name real keys (drafter keys: of some drafter's schema)."""
+    from dataclasses import fields
+
+    from drafters import DRAFTERS
+
+    quoted = {m.group(1) for doc in DOCS for m in OVERRIDE.finditer(doc.read_text())}
+    assert "trainer.muon_scope" in quoted  # the pattern sees the docs' overrides
+    drafter_keys = {f.name for config_cls, _ in DRAFTERS.values() for f in fields(config_cls)}
+    other = [k for k in quoted if not k.startswith("drafter.")]
+    problems = [k for k in quoted if k.startswith("drafter.") and k.split(".", 1)[1] not in drafter_keys]
+    problems += [p for p in _hydra_problems([f"{k}=x" for k in other])]
+    assert not problems, problems
