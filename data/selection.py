@@ -55,19 +55,22 @@ def longest_row(store: TokenStore) -> tuple[int, int]:
     return int(store.row_ids[i]), int(store.lengths[i])
 
 
-def check_skipped(store: TokenStore, report: SkipReport, max_fraction: float, token_budget: int,
-                  truncate: str) -> None:
+def check_skipped(store: TokenStore, report: SkipReport, max_fraction: float, row_tokens: int, truncate: str,
+                  context: int | None = None) -> None:
     """Stop before training when more than `max_fraction` of the file's rows were skipped, naming the count, the
-    longest row and the settings that would keep them."""
+    longest row and the settings that would keep them. row_tokens: the longest row a run takes (its pack size, or
+    the target's `context` when that is shorter)."""
     if report.rows_seen == 0 or report.skipped <= max_fraction * report.rows_seen:
         return
     row_id, tokens = longest_row(store)
+    limit = (f"the target's context is {context} tokens" if context is not None and context <= row_tokens
+             else f"a pack holds trainer.token_budget={row_tokens}")
     raise ValueError(
         f"{report.summary()}: {report.skipped} of {report.rows_seen} rows ({report.skipped / report.rows_seen:.1%}) "
         f"would be skipped, more than data.max_skipped_fraction={max_fraction:g}. The longest row is row {row_id} "
-        f"({tokens} tokens) and a pack holds trainer.token_budget={token_budget} (data.truncate={truncate}). Raise "
-        "trainer.token_budget (32768 per GPU in production), set data.truncate=left to cut long prompts on the "
-        "left, or raise data.max_skipped_fraction to train on the rest anyway")
+        f"({tokens} tokens) and {limit} (data.truncate={truncate}). Raise trainer.token_budget (32768 per GPU in "
+        "production), set data.truncate=left to cut long prompts on the left, or raise data.max_skipped_fraction "
+        "to train on the rest anyway")
 
 
 def load_selected(path, tokenizer_dir, cache_dir, token_budget: int, cfg: DataConfig,

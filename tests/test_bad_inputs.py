@@ -118,3 +118,16 @@ def test_rows_longer_than_a_pack_are_cut_or_stop_the_run_before_training(tiny_ta
                                          r"and a pack holds trainer.token_budget=48 \(data.truncate=skip\)"):
         Trainer(drafter_cfg, trainer_cfg, FeatureServerConfig(workers=1), tmp_path / "b", target, train, heldout,
                 data_cfg=LoadSettings(truncate="skip"), cache_dir=cache_dir)
+
+
+def test_packs_hold_the_token_budget_even_past_the_targets_context(tiny_target, cache_dir, tmp_path):
+    """A pack lays several rows end to end (positions restart per row), so it may exceed the target's context; only
+    each row must fit the context. (Capping packs at the context halved small-real's packs: 2,048 of 4,096.)"""
+    target = tiny_target("tiny-llama")  # context 4096
+    train, heldout = resolve_data(DataConfig(rows=6, heldout_rows=2, prompt_tokens=60, max_new_tokens=8), target,
+                                  cache_dir)
+    drafter_cfg = DRAFTERS["dflash"][0](num_layers=1, max_anchors=32)
+    trainer = Trainer(drafter_cfg, TrainerConfig(max_steps=2, ranks=1, device="cpu", token_budget=8192,
+                                                 progress=False), FeatureServerConfig(workers=1, capacity_mb=512),
+                      tmp_path / "run", target, train, heldout, cache_dir=cache_dir)
+    assert (trainer.pack_tokens, trainer.row_tokens) == (8192, 4096)

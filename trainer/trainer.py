@@ -106,22 +106,22 @@ class Trainer:
                    cache_dir: Path) -> None:
         """The training and held-out rows from their token stores (tokenized once per node, memory-mapped), cut or
         skipped to fit a pack (data/selection.py); stops here when too many rows would be skipped."""
-        # A pack never exceeds the target's context: a row is prefilled whole.
-        self.pack_tokens = min(self.target.max_position_embeddings, self.cfg.token_budget)
-        if self.pack_tokens < self.cfg.token_budget:
-            log.warning("trainer.token_budget=%d exceeds the target's context (%d tokens): packs hold %d",
-                        self.cfg.token_budget, self.target.max_position_embeddings, self.pack_tokens)
+        # A pack holds trainer.token_budget tokens of rows laid end to end (positions restart per row); a row must
+        # fit a pack and the target's context, since the target prefills it whole.
+        self.pack_tokens = self.cfg.token_budget
+        self.row_tokens = min(self.target.max_position_embeddings, self.cfg.token_budget)
         progress = self.cfg.progress and self.dist.is_main
-        self.rows, self.train_skips, store = load_selected(train_path, target_dir, cache_dir, self.pack_tokens,
+        self.rows, self.train_skips, store = load_selected(train_path, target_dir, cache_dir, self.row_tokens,
                                                            data_cfg, progress)
-        check_skipped(store, self.train_skips, data_cfg.max_skipped_fraction, self.pack_tokens, data_cfg.truncate)
+        check_skipped(store, self.train_skips, data_cfg.max_skipped_fraction, self.row_tokens, data_cfg.truncate,
+                      self.target.max_position_embeddings)
         if not len(self.rows):
             raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
         log.info("train rows: %s", self.train_skips.summary())
         self.heldout_rows, self.heldout_skips, self.heldout_stages = [], None, {}
         if heldout_path:
             held, self.heldout_skips, held_store = load_selected(heldout_path, target_dir, cache_dir,
-                                                                 self.pack_tokens, data_cfg, progress)
+                                                                 self.row_tokens, data_cfg, progress)
             if not len(held):
                 raise ValueError(f"{heldout_path}: no usable held-out row ({self.heldout_skips.summary()}); held-out "
                                  "rows need response tokens (loss_mask 1) and must fit trainer.token_budget")
@@ -277,13 +277,13 @@ class Trainer:
         rank, num_ranks = (self.dist.rank, self.dist.world_size) if sharded else (0, 1)
         return FeatureServer(self.target.path, self.spec, rows, self.server_cfg,
                              devices=self.layout.worker_devices[self.dist.local_rank], rank=rank, num_ranks=num_ranks,
-                             skip_row_ids=frozenset(skip), max_row_tokens=self.pack_tokens, shm_prefix=self.shm_prefix)
+                             skip_row_ids=frozenset(skip), max_row_tokens=self.row_tokens, shm_prefix=self.shm_prefix)
 
     def _run_server(self) -> FeatureServer:
         """The run's server (this rank's workers, fed stream after stream by trainer/feed.py)."""
         return FeatureServer(self.target.path, self.spec, None, self.server_cfg,
                              devices=self.layout.worker_devices[self.dist.local_rank], rank=self.dist.rank,
-                             num_ranks=self.dist.world_size, max_row_tokens=self.pack_tokens,
+                             num_ranks=self.dist.world_size, max_row_tokens=self.row_tokens,
                              shm_prefix=self.shm_prefix)
 
     def _resume(self) -> TrainState:
