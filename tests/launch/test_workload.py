@@ -5,7 +5,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 
 from data.formats import load_rows
 from data import synthetic as mw
