@@ -39,12 +39,12 @@ def test_skip_mode_counts_every_long_row(store):
 def test_too_many_skips_stop_before_training_naming_the_longest_row_and_the_settings(store):
     _, report = select_rows(store, token_budget=16, truncate="skip")
     with pytest.raises(ValueError) as e:
-        check_skipped(store, report, max_fraction=0.01, token_budget=16, truncate="skip")
+        check_skipped(store, report, max_fraction=0.01, row_tokens=16, truncate="skip")
     msg = str(e.value)
     for part in ("3 of 4 rows (75.0%)", "data.max_skipped_fraction=0.01", "row 2 (40 tokens)",
                  "trainer.token_budget=16", "data.truncate=left"):
         assert part in msg, (part, msg)
-    check_skipped(store, report, max_fraction=0.75, token_budget=16, truncate="skip")  # allowed: no error
+    check_skipped(store, report, max_fraction=0.75, row_tokens=16, truncate="skip")  # allowed: no error
 
 
 def test_unknown_truncate_mode_lists_the_valid_ones(store):
