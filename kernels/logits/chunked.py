@@ -66,6 +66,11 @@ class _ChunkedLoss(torch.autograd.Function):
                 tv.append(0.5 * (torch.softmax(t, -1) - torch.softmax(z, -1)).abs().sum(-1))
         ctx.save_for_backward(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M)
         ctx.kind, ctx.chunk, ctx.ignore_index = kind, chunk, ignore_index
+        # The backward recomputes the logits: under the same autocast as the forward (a bf16 activation times an
+        # fp32 master weight only multiplies under autocast; torch.amp.custom_bwd does this for one device type).
+        ctx.device_type = hidden_MD.device.type
+        ctx.autocast = torch.is_autocast_enabled(ctx.device_type)
+        ctx.autocast_dtype = torch.get_autocast_dtype(ctx.device_type)
         empty_f, empty_l = hidden_MD.new_zeros(0, dtype=torch.float32), hidden_MD.new_zeros(0, dtype=torch.long)
         outs = (torch.cat(losses) if losses else empty_f, torch.cat(draft_tok) if draft_tok else empty_l,
                 torch.cat(target_tok) if target_tok else empty_l, torch.cat(tv) if tv else empty_f)
@@ -74,6 +79,11 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_M, *_no_grad):
+        with torch.autocast(ctx.device_type, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
+            return _ChunkedLoss._backward(ctx, g_M)
+
+    @staticmethod
+    def _backward(ctx, g_M):
         hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, labels_M = ctx.saved_tensors
         chunk = ctx.chunk
         d_hidden = torch.empty_like(hidden_MD) if ctx.needs_input_grad[0] else None
@@ -86,7 +96,7 @@ class _ChunkedLoss(torch.autograd.Function):
             if d_hidden is not None:
                 d_hidden[c0:c0 + chunk] = dz @ weight_VD
             if d_weight is not None:
-                d_weight.add_(dz.t() @ hidden_MD[c0:c0 + chunk])  # accumulated over chunks in fp32
+                d_weight.add_(dz.t() @ hidden_MD[c0:c0 + chunk].to(dz.dtype))  # accumulated over chunks in fp32
         d_weight = d_weight.to(weight_VD.dtype) if d_weight is not None else None
         return d_hidden, d_weight, None, None, None, None, None, None, None
 

@@ -62,17 +62,21 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
         """x [..., D] -> [..., D]; impl overrides the block's ("grouped" fast path, "reference" eager loop)."""
         impl = impl or self.impl
-        x_TD = x.reshape(-1, x.shape[-1])
-        dt = x.dtype
-        weights_TK, index_TK = route(x_TD, self.gate.weight.to(dt), self.top_k, self.norm_topk_prob)
-        gate_up, down = self.experts.gate_up_proj.to(dt), self.experts.down_proj.to(dt)
-        if impl == "reference":
-            routed = experts_loop(x_TD, index_TK, weights_TK, gate_up, down)
-        else:
-            routed = grouped_experts(x_TD, index_TK, weights_TK, gate_up, down)
-        se = self.shared_expert
-        shared = shared_expert(x_TD, se.gate_proj.weight.to(dt), se.up_proj.weight.to(dt), se.down_proj.weight.to(dt),
-                               self.shared_expert_gate.weight.to(dt))
+        device = x.device.type
+        # Under autocast (the trainer's bf16 over fp32 master weights) the block computes in the autocast dtype, as
+        # an nn.Linear would; its casts are explicit, since grouped_mm is not on autocast's lists.
+        dt = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        x_TD = x.reshape(-1, x.shape[-1]).to(dt)
+        with torch.autocast(device, enabled=False):
+            weights_TK, index_TK = route(x_TD, self.gate.weight.to(dt), self.top_k, self.norm_topk_prob)
+            gate_up, down = self.experts.gate_up_proj.to(dt), self.experts.down_proj.to(dt)
+            if impl == "reference":
+                routed = experts_loop(x_TD, index_TK, weights_TK, gate_up, down)
+            else:
+                routed = grouped_experts(x_TD, index_TK, weights_TK, gate_up, down)
+            se = self.shared_expert
+            shared = shared_expert(x_TD, se.gate_proj.weight.to(dt), se.up_proj.weight.to(dt),
+                                   se.down_proj.weight.to(dt), self.shared_expert_gate.weight.to(dt))
         return (routed + shared).view(x.shape)
 
 

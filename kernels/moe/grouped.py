@@ -112,7 +112,7 @@ class _GroupedExperts(torch.autograd.Function):
         dx_TD = gemm.dx(dh_R, gate_up, gate_up_scale)[rows_TK].sum(1)
         d_down = d_gate_up = None
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            x_R = torch.zeros_like(dh_R[:, : x_TD.shape[1]])
+            x_R = x_TD.new_zeros(dh_R.shape[0], x_TD.shape[1])  # [R, D]: D may exceed 2 x intermediate
             x_R[rows_S] = x_TD.repeat_interleave(K, dim=0)
             d_gate_up = gemm.dw(dh_R, x_R) if ctx.needs_input_grad[2] else None
             d_down = gemm.dw(dy_R, a_R) if ctx.needs_input_grad[3] else None

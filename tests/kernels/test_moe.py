@@ -20,7 +20,7 @@ def assert_rel_close(actual, expected, dtype, what):
     assert err <= REL_TOL[dtype], f"{what}: relative error {err:.2e} > {REL_TOL[dtype]:.0e} ({dtype})"
 
 
-def expert_inputs(dtype, seed=0):
+def expert_inputs(dtype, seed=0, I=I):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=g).to(dtype).requires_grad_()
     weights, index = route(x.detach(), torch.randn(E, D, generator=g).to(dtype), K)
@@ -32,8 +32,9 @@ def expert_inputs(dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["padded", "grouped", "auto"])
-def test_grouped_experts_equal_eager_loop(dtype, layout):
-    x, index, weights, gate_up, down, g = expert_inputs(dtype)
+@pytest.mark.parametrize("inter", [I, 8])  # 8: hidden 32 > 2 x intermediate, as Qwen3.5-35B-A3B's 2048 > 2 x 512
+def test_grouped_experts_equal_eager_loop(dtype, layout, inter):
+    x, index, weights, gate_up, down, g = expert_inputs(dtype, I=inter)
     leaves = (x, weights, gate_up, down)
     ref = experts_loop(x, index, weights, gate_up, down)
     ours = grouped_experts(x, index, weights, gate_up, down, layout=layout)
@@ -90,6 +91,27 @@ def test_block_parameter_gradients_match_reference():
     names = ["x", *(n for n, _ in ours.named_parameters())]
     for name, a, b in zip(names, ref, fast):
         assert_rel_close(b, a, torch.float32, name)
+
+
+@pytest.mark.parametrize("impl", ["grouped", "reference"])
+def test_block_trains_under_bf16_autocast_over_fp32_weights(impl):
+    """The trainer's GPU precision (bf16 autocast, fp32 master weights): the block computes in bf16 (grouped_mm is
+    on no autocast list, so its casts are explicit) and every fp32 parameter gets an fp32 gradient close to the
+    all-fp32 one."""
+    cfg, hf = hf_block(seed=3)
+    ours = SparseMoeBlock.from_config(cfg)
+    ours.load_state_dict(hf.state_dict())
+    x, g = torch.randn(T, D, requires_grad=True), torch.randn(T, D)
+    params = [x, *ours.parameters()]
+    expected = torch.autograd.grad(ours(x, impl="reference"), params, g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours(x, impl=impl)
+    assert out.dtype == torch.bfloat16
+    actual = torch.autograd.grad(out, params, g)
+    names = ["x", *(n for n, _ in ours.named_parameters())]
+    for name, a, b in zip(names, actual, expected):
+        assert a.dtype == torch.float32, name
+        assert_rel_close(a, b, torch.bfloat16, name)
 
 
 def test_fuse_per_expert_checkpoint_layout():

@@ -1,0 +1,246 @@
+"""Drafter train steps at production shapes (not a test): `python bench/drafter_steps.py [--device cuda]
+[--drafters mtp,eagle3,...] [--pack 32768] [--steps 5] [--small]`.
+
+The target is Qwen3.5-35B-A3B's text geometry (hidden 2048, 40 layers = 30 gated-DeltaNet + 10 full attention,
+vocabulary 248,320, 16 query / 2 KV heads of 256, MoE of 256 experts top-8 of width 512 + a shared expert of 512, one
+MTP layer). Its weights are random: a step's time does not depend on their values. The target directory holds only
+config.json and the three tensors the trainer reads (embeddings, final norm, lm_head); MTP's layer starts from random
+weights instead of the checkpoint's mtp.* tensors.
+
+One pack is the mission's: 32,768 tokens of six ~5.4k-token rows, each ending in a 45-token response (the only
+scored tokens). Every drafter runs with its production defaults (conf/drafter/*.yaml = the config dataclasses) and
+a step is the trainer's (trainer/trainer.py `_step`): the pack cast to fp32 on the device, bf16 autocast over fp32
+master weights, forward + loss + backward, gradient clip, Muon + AdamW step (trainer/optim.py), zero_grad.
+
+Per drafter (after `--warmup` steps, which include flex attention's compilation), the median over `--steps` steps:
+  {name}_step_ms, {name}_tokens_per_s       pack tokens per second of one trainer GPU
+  {name}_peak_gib                           peak CUDA memory of a step (0 on CPU)
+and with --count-flops (CPU, or CUDA with no compiled flex attention in the step):
+  {name}_tflops                             FLOPs of one step counted by torch's FlopCounterMode / step time
+  {name}_mfu                                tflops / the dense bf16 peak of the device (H200: 989 TFLOP/s)
+  {name}_vs_matmul                          tflops / an 8192^3 bf16 matmul's measured rate in this process
+The FLOP count is what the step executes (matmuls, attention), not a model-FLOPs formula: a drafter that skips work
+(response-only logits, anchored blocks) is not credited for work it did not do. On torch 2.11 + CUDA the counter
+cannot trace compiled flex attention ("no implementation found for 'torch.ops.higher_order.flex_attention'") and
+the failed trace broke every later flex compilation in the process (H200, 2026-12-04), hence off by default.
+`--small` shrinks the target (hidden 256, vocab 4096, pack 2048) so the script runs on a CPU for a check.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from core.batch import PackedBatch  # noqa: E402
+from core.contract import TokenizedRow  # noqa: E402
+from core.target import TargetHead, TargetInfo  # noqa: E402
+from drafters import DRAFTERS, drafter_config  # noqa: E402
+from trainer.config import TrainerConfig  # noqa: E402
+from trainer.optim import Optimizers  # noqa: E402
+
+# Qwen3.5-35B-A3B's text config (the fields the drafters read).
+PRODUCTION = dict(hidden_size=2048, num_hidden_layers=40, vocab_size=248320, num_attention_heads=16,
+                  num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
+                  moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144)
+SMALL = dict(hidden_size=256, num_hidden_layers=8, vocab_size=4096, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+             shared_expert_intermediate_size=128, max_position_embeddings=32768)
+DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+RESPONSE_TOKENS = 45
+ROWS_PER_PACK = 6
+MASK_TOKEN_ID = 3
+
+
+def write_target(path: Path, dims: dict, device) -> TargetInfo:
+    """config.json (qwen3_5_moe_text) + random embeddings, final norm and lm_head in bf16."""
+    L = dims["num_hidden_layers"]
+    config = dict(dims, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (L // 4),
+                  rms_norm_eps=1e-6, rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+                  mtp_num_hidden_layers=1, attn_output_gate=True, norm_topk_prob=True, tie_word_embeddings=False,
+                  dtype="bfloat16")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator(device).manual_seed(0)
+    V, D = dims["vocab_size"], dims["hidden_size"]
+
+    def table():  # drawn on the device: 2 x 509M values
+        return (torch.randn(V, D, generator=g, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+
+    save_file({"model.embed_tokens.weight": table(), "model.norm.weight": torch.zeros(D, dtype=torch.bfloat16),
+               "lm_head.weight": table()}, path / "model.safetensors")
+    return TargetInfo.load(path)
+
+
+def mission_pack(info: TargetInfo, layer_ids: tuple, pack_tokens: int, device, seed: int = 0) -> PackedBatch:
+    """ROWS_PER_PACK rows of uneven length filling `pack_tokens`, each ending in RESPONSE_TOKENS scored tokens;
+    states in bf16 on the device, as the feed delivers them."""
+    shares = torch.tensor([1.00, 0.93, 1.08, 0.97, 1.04, 0.98])[:ROWS_PER_PACK]
+    lengths = (shares / shares.sum() * pack_tokens).long()
+    lengths[-1] += pack_tokens - int(lengths.sum())
+    g = torch.Generator().manual_seed(seed)
+    loss_mask = torch.cat([torch.arange(n) >= n - RESPONSE_TOKENS for n in lengths.tolist()])
+    hidden = torch.randn(pack_tokens, len(layer_ids), info.hidden_size, generator=g, dtype=torch.bfloat16)
+    return PackedBatch(
+        input_ids_T=torch.randint(0, info.vocab_size, (pack_tokens,), generator=g).to(device),
+        loss_mask_T=loss_mask.to(device),
+        hidden_TLD=hidden.to(device),
+        document_ids_T=torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device),
+        position_ids_T=torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device),
+        layer_ids=tuple(layer_ids), row_ids=tuple(range(len(lengths))))
+
+
+def build(name: str, info: TargetInfo, device):
+    """The drafter with its production defaults; DFlash-family layers random (their target layers are not in
+    this target directory), MTP's layer random (no mtp.* tensors)."""
+    overrides = {"init_from_target": False} if name in ("dflash", "dspark", "dflash2") else {}
+    cfg = drafter_config(name, overrides)
+    config_cls, cls = DRAFTERS[name]
+    if name == "mtp":
+        with mock.patch("drafters.mtp.read_mtp_state", lambda path, state: state), device:
+            drafter = cls(cfg, info)  # initialised on the device: 0.8B expert weights
+    elif name == "eagle3":
+        with device:
+            drafter = cls(cfg, info)
+        vocab = min(info.vocab_size, 2 * cfg.draft_vocab_size)  # response tokens seen: enough for a full draft vocab
+        drafter.prepare([TokenizedRow(0, tuple(range(vocab)), (1,) * vocab)])
+    else:
+        with device:
+            drafter = cls(cfg, info, MASK_TOKEN_ID)
+    return drafter.to(device).train()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_step(drafter, head, batch: PackedBatch, device, bf16: bool):
+    """trainer.Trainer._step for one pack on one rank."""
+    cfg = TrainerConfig()
+    optimizers = Optimizers(drafter, cfg)
+    generator = torch.Generator().manual_seed(0)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+    def step():
+        micro = batch.to(device, torch.float32)
+        with autocast:
+            out = drafter(micro, head, generator)
+        out.loss.backward()
+        optimizers.clip_step_and_zero(drafter.parameters(), cfg.grad_clip)
+        return out
+
+    return step
+
+
+def matmul_tflops(device) -> float:
+    """Measured bf16 matmul rate (8192^3, mean of 10 after 3 warm-ups): the ceiling a step's matmuls can reach."""
+    n = 8192 if device.type == "cuda" else 1024
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(device)
+    return 2 * n**3 * 10 / (time.perf_counter() - t) / 1e12
+
+
+def bench_drafter(name: str, info: TargetInfo, head: TargetHead, args, device) -> dict:
+    drafter = build(name, info, device)
+    batch = mission_pack(info, drafter.feature_spec().layer_ids, args.pack, device)
+    step = make_step(drafter, head, batch, device, args.precision == "bf16")
+    t = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    warmup_s = time.perf_counter() - t
+    flops = float("nan")
+    if args.count_flops:
+        with FlopCounterMode(display=False) as counter:
+            step()
+        flops = counter.get_total_flops()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        sync(device)
+        t = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    step_s = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    del drafter, step, batch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"step_ms": step_s * 1e3, "tokens_per_s": args.pack / step_s, "peak_gib": peak,
+            "tflops": flops / step_s / 1e12, "warmup_s": warmup_s, "trainable_params_m": params / 1e6}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--drafters", default="dflash,mtp,eagle3,dspark,dflash2")
+    ap.add_argument("--pack", type=int, default=None, help="tokens per pack (default 32768; --small: 2048)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                    help="bf16 autocast over fp32 weights (default on CUDA, as the trainer) or fp32 (default on CPU)")
+    ap.add_argument("--count-flops", action="store_true",
+                    help="FlopCounterMode over one step (not with compiled flex attention: see the docstring)")
+    ap.add_argument("--small", action="store_true", help="tiny target dims and pack, for a CPU check")
+    args = ap.parse_args()
+    args.pack = args.pack or (2048 if args.small else 32768)
+    device = torch.device(args.device)
+    args.precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in DENSE_BF16_PEAK_TFLOPS.items() if k in gpu), None)
+    ceiling = matmul_tflops(device)
+    print(f"device: {gpu}; dense bf16 peak {peak} TFLOP/s (spec); measured matmul {ceiling:.0f} TFLOP/s")
+    results, failed = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        info = write_target(Path(tmp) / "target", SMALL if args.small else PRODUCTION, device)
+        head = TargetHead(info).to(device)
+        print(f"target: hidden {info.hidden_size}, vocab {info.vocab_size}, {info.num_hidden_layers} layers; "
+              f"pack {args.pack} tokens = {ROWS_PER_PACK} rows x ~{args.pack // ROWS_PER_PACK} tokens, "
+              f"{RESPONSE_TOKENS} scored each; {args.precision}" + (" autocast" if args.precision == "bf16" else ""))
+        for name in args.drafters.split(","):
+            try:
+                r = bench_drafter(name, info, head, args, device)
+            except Exception:  # the next drafter still runs; the exit status says one failed
+                traceback.print_exc()
+                print(f"{name}: FAILED", flush=True)
+                failed.append(name)
+                continue
+            r["mfu"] = r["tflops"] / peak if peak else float("nan")
+            r["vs_matmul"] = r["tflops"] / ceiling
+            results[name] = r
+            print(f"{name}: {r['trainable_params_m']:.0f}M trainable, warm-up {r['warmup_s']:.1f} s, "
+                  f"step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_gib']:.1f} GiB, "
+                  f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu']:.3f}", flush=True)
+    for name, r in results.items():
+        for key in ("step_ms", "tokens_per_s", "peak_gib", "tflops", "mfu", "vs_matmul"):
+            if r[key] == r[key]:  # not NaN: FLOPs counted
+                print(f"{name}_{key}: {r[key]:.4g}")
+    if failed:
+        raise SystemExit(f"drafter steps failed: {failed}")
+
+
+if __name__ == "__main__":
+    main()
