@@ -54,22 +54,23 @@ def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], cont
 
 
 def served_vs_offline(run_dir, target_dir, method: str, prompts: list[list[int]], max_tokens: int,
-                      stages: list[str] | None = None, base: ServeResult | None = None,
+                      stages: list[str] | None = None, base: ServeResult | None = None, timed: bool = False,
                       **engine_kwargs: Any) -> dict:
     """base (max_tokens + K), speculative (max_tokens) and the offline report; K from the run's drafter.
 
+    timed: both runs also measure decode speed (ServeResult tokens_per_s_all / tokens_per_s_one).
     `base`: the target alone's greedy run on these prompts (max_tokens + K tokens each, ignore_eos) when the caller
     has one already; the served-drafter tests share one per target instead of starting an engine for each."""
     run_dir = Path(run_dir)
     run = RunDir(run_dir)
     K = json.loads(run.metrics.read_text())["num_speculative_tokens"]
     if base is None:
-        base = serve(str(target_dir), prompts, max_tokens + K, ignore_eos=True, **engine_kwargs)
+        base = serve(str(target_dir), prompts, max_tokens + K, ignore_eos=True, timed=timed, **engine_kwargs)
     elif len(base.output_token_ids) != len(prompts) or {len(o) for o in base.output_token_ids} != {max_tokens + K}:
         raise ValueError(f"base run: {len(base.output_token_ids)} outputs of lengths "
                          f"{sorted({len(o) for o in base.output_token_ids})}; need {len(prompts)} of {max_tokens + K}")
     spec = serve(str(target_dir), prompts, max_tokens, str(run.export), method=method,
-                 num_speculative_tokens=K, ignore_eos=True, **engine_kwargs)
+                 num_speculative_tokens=K, ignore_eos=True, timed=timed, **engine_kwargs)
     offline = offline_on_continuations(run_dir, target_dir, prompts, base.output_token_ids, max_tokens, stages)
     return dict(base=base, spec=spec, offline=offline, K=K, prompts=prompts, max_tokens=max_tokens)
 

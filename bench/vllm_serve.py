@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,9 @@ class ServeResult:
     method: str | None  # None = the target alone
     num_speculative_tokens: int | None  # K as the engine resolved it
     counters: SpecCounters | None  # None when not speculating
+    # serve(timed=True): generated tokens per second with every prompt at once, and one request at a time
+    tokens_per_s_all: float | None = None
+    tokens_per_s_one: float | None = None
 
     @property
     def tau(self) -> float | None:
@@ -209,10 +213,12 @@ def _delta(after: SpecCounters, before: SpecCounters) -> SpecCounters:
 
 def serve(target_dir: str, prompts_token_ids: list[list[int]], max_tokens: int, drafter_dir: str | None = None,
           method: str | None = None, num_speculative_tokens: int | None = None, dtype: str | None = None, *,
-          ignore_eos: bool = False, **engine_kwargs: Any) -> ServeResult:
+          ignore_eos: bool = False, timed: bool = False, **engine_kwargs: Any) -> ServeResult:
     """Greedy-decode every prompt on one fresh engine (freed before returning); counters when speculating.
 
-    `dtype` None = the checkpoint's dtype. `engine_kwargs` go to vllm.LLM and override the defaults.
+    `dtype` None = the checkpoint's dtype. `engine_kwargs` go to vllm.LLM and override the defaults. timed=True: a
+    short warm-up call first, the main call (every prompt at once) timed, then every prompt again one request at a
+    time, timed: decode speed as a user sees it, both ways (counters are of the main call only).
     """
     spec_config = speculative_config(drafter_dir, method, num_speculative_tokens)
     if not prompts_token_ids or not all(prompts_token_ids):
@@ -230,16 +236,29 @@ def serve(target_dir: str, prompts_token_ids: list[list[int]], max_tokens: int, 
         resolved = llm.llm_engine.vllm_config.speculative_config
         before = read_counters(llm) if resolved else None
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts_token_ids], params,
-                               use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts_token_ids]
+        if timed:  # first-call allocations are not decode speed
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+            before = read_counters(llm) if resolved else None
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        all_s = time.perf_counter() - t0
         counters = _delta(read_counters(llm), before) if resolved else None
+        speed = {}
+        if timed:
+            t0 = time.perf_counter()
+            alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+            one_s = time.perf_counter() - t0
+            generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+            speed = {"tokens_per_s_all": generated / all_s,
+                     "tokens_per_s_one": sum(len(o.outputs[0].token_ids) for o in alone) / one_s}
     finally:
         shutdown_engine(llm)
         del llm
     return ServeResult(output_token_ids=[list(o.outputs[0].token_ids) for o in outputs],
                        method=resolved.method if resolved else None,
                        num_speculative_tokens=resolved.num_speculative_tokens if resolved else None,
-                       counters=counters)
+                       counters=counters, **speed)
 
 
 def compare(target_dir: str, prompts_token_ids: list[list[int]], max_tokens: int, drafter_dir: str | None,

@@ -54,8 +54,24 @@ def sample_prompts(files: list[CorpusFile], tokenizer, n: int, lo: int, hi: int,
     return prompts
 
 
+def write_parquet(rows: list[dict], path: Path, vocab_size: int) -> None:
+    """Pre-tokenized rows as Parquet (zstd): ids in the narrowest integer type the vocabulary fits, the mask in int8,
+    no text columns. 3,000 corpus rows are ~0.9 MB instead of ~9 MB of JSONL: small enough to commit."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    id_type = pa.int16() if vocab_size <= 2**15 else pa.int32()
+    table = pa.table({"id": [r["id"] for r in rows], "source": [r["source"] for r in rows],
+                      "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(id_type)),
+                      "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(pa.int8()))})
+    pq.write_table(table, path, compression="zstd")
+
+
 def make_corpus_workload(target_dir: str | Path, out_dir: str | Path, cfg: CorpusWorkload = CorpusWorkload(),
-                         threads: int | None = None) -> tuple[Path, Path]:
+                         threads: int | None = None, out_format: str = "jsonl") -> tuple[Path, Path]:
+    """(train, held-out) files in out_dir, `{split}.jsonl` (with the texts) or `{split}.parquet` (ids only)."""
+    if out_format not in ("jsonl", "parquet"):
+        raise ValueError(f"out_format={out_format!r}: expected jsonl or parquet")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backend = resolve_backend(cfg.backend)
@@ -78,8 +94,11 @@ def make_corpus_workload(target_dir: str | Path, out_dir: str | Path, cfg: Corpu
                      "loss_mask": [0] * len(p["prompt_ids"]) + [1] * len(r),
                      "prompt_text": tokenizer.decode(p["prompt_ids"]), "response_text": tokenizer.decode(r)}
                     for i, (p, r) in enumerate(zip(prompts, responses))]
-            path = out_dir / f"{name}.jsonl"
-            _write_jsonl(rows, path)
+            path = out_dir / f"{name}.{out_format}"
+            if out_format == "parquet":
+                write_parquet(rows, path, len(tokenizer))
+            else:
+                _write_jsonl(rows, path)
             paths.append(path)
     finally:
         torch.set_num_threads(old_threads)

@@ -6,6 +6,7 @@ Adding a drafter = one module here + one file in conf/drafter/. Listed explicitl
 from dataclasses import fields
 from typing import Any
 
+from drafters import warm_start
 from drafters.base import Drafter
 from drafters.dflash import DFlashConfig, DFlashDrafter
 from drafters.dflash2 import DFlash2Config, DFlash2Drafter
@@ -34,8 +35,12 @@ def drafter_config(name: str, overrides: dict[str, Any] | None = None):
 
 
 def build_drafter(cfg, target, tokenizer) -> Drafter:
-    """Instantiate the head for `cfg.name` against a target (TargetInfo) and its tokenizer."""
+    """Instantiate the head for `cfg.name` against a target (TargetInfo) and its tokenizer. With
+    drafter.init_from=DIR the architecture is DIR's (drafters/warm_start.py); its weights load after prepare()
+    (`Drafter.load_export`)."""
     _, drafter_cls = DRAFTERS[cfg.name]
+    if getattr(cfg, "init_from", None):
+        cfg = warm_start.resolve_for(cfg, drafter_cls, target)
     return drafter_cls.build(cfg, target, tokenizer)
 
 

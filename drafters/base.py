@@ -88,6 +88,18 @@ class Drafter(nn.Module, ABC):
     def export(self, out_dir: Path, target: TargetInfo) -> None:
         """Write a directory the serving engine loads (speculators format or a target copy)."""
 
+    # --- warm start (drafters/warm_start.py) ---------------------------------------------------------------
+    @classmethod
+    def architecture_from_export(cls, config: dict) -> dict:
+        """The config fields an export's config.json fixes (drafter.init_from). Default: none."""
+        return {}
+
+    def load_export(self, path: Path) -> None:
+        """Replace the fresh weights with an export's (after prepare())."""
+        from drafters.warm_start import load_weights
+
+        load_weights(self, path)
+
 
 def block_metrics(loss: torch.Tensor, correct_NK: torch.Tensor, valid_NK: torch.Tensor) -> StepOutput:
     """Per-position accuracy and the accepted-prefix length of each block whose first slot is scored."""
@@ -143,6 +155,13 @@ def sample_anchors(candidates_C: torch.Tensor, max_anchors: int, generator: torc
 def export_dtype(target: TargetInfo) -> torch.dtype:
     """Exports are written in the target's dtype (vLLM serves the drafter in it)."""
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(target.torch_dtype, torch.float32)
+
+
+def proposal_tokens(config: dict) -> int:
+    """K of a speculators-format config.json (its default proposal method's speculative_tokens)."""
+    block = config["speculators_config"]
+    methods = {m["proposal_type"]: m for m in block["proposal_methods"]}
+    return int(methods.get(block.get("default_proposal_method"), block["proposal_methods"][0])["speculative_tokens"])
 
 
 def speculators_block(algorithm: str, num_speculative_tokens: int, target: TargetInfo) -> dict:

@@ -13,7 +13,7 @@ Suffixes: T packed tokens, N anchors, B block size, K = B-1 draft tokens, D hidd
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from core.target import RMSNorm, TargetHead, TargetInfo
 from drafters.base import (Drafter, StepOutput, block_metrics, choose_mask_token, export_dtype, sample_anchors,
                            speculators_block)
 from drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
-                             speculators_layer_config)
+                             layer_geometry, speculators_layer_config)
 from drafters import vllm_groups
 from drafters.target_init import init_layers_from_target
 from kernels.attention import anchor_block_plan
@@ -61,6 +61,7 @@ class DFlashConfig:
     mask_token: str = "<|mask|>"  # its embedding comes from the target
     attention_impl: str = "auto"  # auto (CUDA: compiled flex; CPU: chunked SDPA) | flex | chunked | reference
     init_from_target: bool = True  # decoder layers start as the target's top layers (drafters/target_init.py)
+    init_from: str | None = None  # an export to start from (drafters/warm_start.py); its architecture is used
 
 
 def spread_layer_ids(num_hidden_layers: int, n: int) -> list[int]:
@@ -154,11 +155,44 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def build(cls, cfg: DFlashConfig, target: TargetInfo, tokenizer) -> "DFlashDrafter":
+        if cfg.init_from:  # the export's mask id (its weights were trained with it); its weights replace any init
+            from drafters.warm_start import export_config
+
+            config = export_config(cfg.init_from)
+            mask = config["mask_token_id"] if "speculators_config" in config else config["dflash_config"]["mask_token_id"]
+            return cls(replace(cfg, init_from_target=False), target, int(mask))
         mask_token_id, why = choose_mask_token(tokenizer, target.vocab_size, cfg.mask_token, "drafter.mask_token")
         if not why.startswith("drafter.mask_token"):
             log.warning("drafter.mask_token=%r is not a token of the target's tokenizer: the draft slots use id %d, "
                         "%s (config.json mask_token_id of the export)", cfg.mask_token, mask_token_id, why)
         return cls(cfg, target, mask_token_id)
+
+    @classmethod
+    def architecture_from_export(cls, config: dict) -> dict:
+        """Our speculators-format exports, or the layout of the DFlash authors' published drafters (a Qwen3 config
+        with `dflash_config`: vLLM serves both as method=dflash; docs/warm_start.md)."""
+        if "speculators_config" in config:
+            layer = config["transformer_layer_config"]
+            ids = list(config["aux_hidden_state_layer_ids"])
+            causal = not config.get("sliding_window_non_causal", True)
+        else:
+            layer, dflash = config, config.get("dflash_config") or {}
+            if "target_layer_ids" not in dflash or "block_size" not in config:
+                raise ValueError("drafter.init_from: config.json is neither a speculators-format DFlash export nor a "
+                                 "published DFlash drafter (block_size and dflash_config.target_layer_ids)")
+            # Published ids name the output of decoder layer j (0-based); ours and vLLM's count layers run: j + 1.
+            ids = [j + 1 for j in dflash["target_layer_ids"]]
+            causal = bool(dflash.get("causal", False))
+        sliding = "sliding_attention" in (layer.get("layer_types") or [])
+        return {"num_layers": layer["num_hidden_layers"], "block_size": config["block_size"], "target_layer_ids": ids,
+                "num_target_layers": len(ids), "sliding_window": layer.get("sliding_window") if sliding else None,
+                "causal_in_block": causal, **layer_geometry(layer)}
+
+    def load_export(self, path: Path) -> None:
+        """A published drafter may carry the target's embeddings and lm_head; this drafter uses the target's own."""
+        from drafters.warm_start import load_weights
+
+        load_weights(self, path, ignored=frozenset({"embed_tokens.weight", "lm_head.weight"}))
 
     def make_layer(self, layer_idx: int) -> nn.Module:
         """Variants (DSpark, DFlash 2) override this to wrap the shared layer."""

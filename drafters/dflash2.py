@@ -246,6 +246,11 @@ class DFlash2Drafter(DFlashDrafter):
         return out_MV.scatter_(1, cand_MC, scores_MC).view(N, K, -1)
 
     # --- export -----------------------------------------------------------------------------------
+    @classmethod
+    def architecture_from_export(cls, config: dict) -> dict:
+        extra = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        return {**super().architecture_from_export(config), **{k: config[k] for k in extra}}
+
     def speculators_config(self, target: TargetInfo) -> dict:
         config = super().speculators_config(target)
         cfg = self.cfg

@@ -225,6 +225,12 @@ class DSparkDrafter(DFlashDrafter):
         return self.block_logits(batch, head, anchors_N)[0][:, self.first_slot:]
 
     # --- export -----------------------------------------------------------------------------------
+    @classmethod
+    def architecture_from_export(cls, config: dict) -> dict:
+        extra = ("sample_from_anchor", "markov_rank", "markov_head_type", "enable_confidence_head",
+                      "confidence_head_with_markov")
+        return {**super().architecture_from_export(config), **{k: config[k] for k in extra}}
+
     def speculators_config(self, target: TargetInfo) -> dict:
         config = super().speculators_config(target)
         cfg = self.cfg

@@ -42,9 +42,9 @@ from core.batch import PackedBatch
 from core.contract import FeatureSpec, TokenizedRow
 from core.rows import as_rows
 from core.target import RMSNorm, TargetHead, TargetInfo
-from drafters.base import Drafter, StepOutput, export_dtype, speculators_block
+from drafters.base import Drafter, StepOutput, export_dtype, proposal_tokens, speculators_block
 from drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
-                             speculators_layer_config)
+                             layer_geometry, speculators_layer_config)
 from kernels.attention import packed_causal_plan
 from kernels.logits import chunked_argmax, chunked_loss
 
@@ -70,6 +70,7 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float | None = None  # None: the target's
     attention_impl: str = "auto"  # step 0 (packed causal): auto | flex | chunked | reference
+    init_from: str | None = None  # an export to start from (drafters/warm_start.py); its architecture is used
 
 
 def default_layer_ids(num_hidden_layers: int) -> list[int]:
@@ -209,6 +210,48 @@ class Eagle3Drafter(Drafter):
         self.t2d[draft_ids] = True
         lm_head = TargetHead(self.target).lm_head.weight
         self.lm_head.weight.data.copy_(lm_head[draft_ids.cpu()].to(self.lm_head.weight))
+
+    # --- warm start ------------------------------------------------------------------------------------
+    @classmethod
+    def architecture_from_export(cls, config: dict) -> dict:
+        layer = config["transformer_layer_config"]
+        return {"num_layers": layer["num_hidden_layers"],
+                "target_layer_ids": list(config["eagle_aux_hidden_state_layer_ids"]),
+                "draft_vocab_size": config["draft_vocab_size"], "num_speculative_tokens": proposal_tokens(config),
+                # vLLM reads a missing norm_before_residual as True
+                "norm_before_residual": config.get("norm_before_residual", True), **layer_geometry(layer)}
+
+    def load_export(self, path: Path) -> None:
+        """The export's weights and its draft vocabulary (d2t / t2d, absent when it is the whole target
+        vocabulary), which replaces the one prepare() built: the lm_head rows belong to it."""
+        from drafters.warm_start import load_weights
+
+        if not self.uses_draft_vocab:
+            self.d2t.zero_()
+            self.t2d.fill_(True)
+        load_weights(self, path, optional=frozenset() if self.uses_draft_vocab else frozenset({"d2t", "t2d"}))
+        self.check_vocab_mapping(path)
+
+    def check_vocab_mapping(self, source) -> None:
+        """d2t and t2d must describe the same draft vocabulary, and the lm_head rows must be the target's rows of
+        those tokens (frozen, as speculators trains them, or fine-tuned from them): a mapping saved from another
+        vocabulary than the head's (peer tools' "stale d2t") accepts almost nothing when served."""
+        ids = self.draft_ids.cpu()
+        V = self.target.vocab_size
+        if ids.min() < 0 or ids.max() >= V or not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError(f"{source}: d2t maps draft ids outside 0..{V - 1} or out of order: not a draft "
+                             "vocabulary of this target")
+        t2d = self.t2d.cpu()
+        if int(t2d.sum()) != len(ids) or not bool(t2d[ids].all()):
+            raise ValueError(f"{source}: t2d marks {int(t2d.sum())} target tokens, {int((~t2d[ids]).sum())} of d2t's "
+                             f"{len(ids)} draft tokens unmarked: d2t and t2d describe different vocabularies")
+        target_rows = TargetHead(self.target).lm_head.weight[ids]
+        cos = F.cosine_similarity(self.lm_head.weight.detach().float().cpu(), target_rows.float(), dim=-1)
+        agree = float((cos > 0.5).float().mean())
+        if agree < 0.5:
+            raise ValueError(f"{source}: only {agree:.0%} of lm_head's {len(ids)} rows resemble the target's rows of "
+                             "the tokens d2t assigns them (cosine > 0.5): the vocabulary mapping is stale (saved "
+                             "for another draft vocabulary than the head's), and served drafts would be wrong tokens")
 
     @property
     def draft_ids(self) -> torch.Tensor:

@@ -64,6 +64,15 @@ def speculators_layer_config(shape: LayerShape, target: TargetInfo, num_layers: 
     }
 
 
+def layer_geometry(layer_config: dict) -> dict:
+    """The drafter config fields a `transformer_layer_config` fixes (the inverse of speculators_layer_config)."""
+    rope = layer_config.get("rope_parameters") or {}
+    return {"num_attention_heads": layer_config["num_attention_heads"],
+            "num_key_value_heads": layer_config["num_key_value_heads"], "head_dim": layer_config["head_dim"],
+            "intermediate_size": layer_config["intermediate_size"], "rms_norm_eps": layer_config["rms_norm_eps"],
+            "rope_theta": float(rope.get("rope_theta") or layer_config.get("rope_theta"))}
+
+
 def init_linear(module: nn.Module) -> None:
     """Fresh Linear weights ~ N(0, 0.02), biases left as built (`module.apply(init_linear)`)."""
     if isinstance(module, nn.Linear):

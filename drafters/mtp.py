@@ -47,6 +47,7 @@ class MTPConfig:
     max_anchors: int = 1024  # chains per packed sequence
     attention_impl: str = "auto"  # kernels.attention impls: auto | flex | chunked | reference
     moe_impl: str = "auto"  # kernels.moe impls: auto | grouped | reference
+    init_from: str | None = None  # a checkpoint whose mtp.* tensors to start from instead of the target's
 
 
 def step_weights(K: int, beta: float) -> torch.Tensor:
@@ -156,7 +157,24 @@ class MTPDrafter(Drafter):
         self.layers = nn.ModuleList([MTPLayer(s, cfg.moe_impl)])  # layers.0 only: the one vLLM runs
         self.norm = RMSNorm(D, s.eps, zero_centred=True)
         self.rotary = Rotary(s.rotary_dim, s.rope_theta)
-        self.load_state_dict(read_mtp_state(target.path, self.state_dict()))
+        self.load_state_dict(read_mtp_state(self.weights_source(), self.state_dict()))
+
+    def weights_source(self) -> Path:
+        """The checkpoint whose mtp.* tensors start the run: drafter.init_from (an export of drafter=mtp, or any
+        checkpoint with an MTP layer of this shape) or the target itself."""
+        if not self.cfg.init_from:
+            return self.target.path
+        source = Path(self.cfg.init_from)
+        theirs = MTPShape.of(TargetInfo.load(source))
+        differ = [f"{k}: {v} vs the target's {getattr(self.shape, k)}" for k, v in vars(theirs).items()
+                  if v != getattr(self.shape, k)]
+        if differ:
+            raise ValueError(f"drafter.init_from={source}: its MTP layer has another shape than the target's: "
+                             + "; ".join(differ))
+        return source
+
+    def load_export(self, path: Path) -> None:
+        """Nothing left to do: __init__ read the mtp.* tensors from drafter.init_from (weights_source)."""
 
     @classmethod
     def build(cls, cfg: MTPConfig, target: TargetInfo, tokenizer) -> "MTPDrafter":

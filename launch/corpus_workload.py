@@ -1,6 +1,7 @@
 """Self-distilled train / held-out sets from real text (data/corpus_workload.py):
 
-    python -m launch.corpus_workload --target DIR --out DIR --rows 10000 --heldout 100 [--max-new-tokens 64]
+    python -m launch.corpus_workload --target DIR --out DIR --rows 10000 --heldout 100 [--max-new-tokens 64] \
+        [--format jsonl|parquet]
 """
 
 import argparse
@@ -21,10 +22,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--backend", default=d.backend, choices=("auto", "vllm", "hf"))
+    p.add_argument("--format", default="jsonl", choices=("jsonl", "parquet"),
+                   help="parquet: ids only, compact enough to commit (the demo's rows)")
     a = p.parse_args(argv)
     cfg = CorpusWorkload(a.rows, a.heldout, a.prompt_min_tokens, a.prompt_max_tokens, a.max_new_tokens, a.seed,
                          a.batch_size, a.backend)
-    train, held = make_corpus_workload(a.target, a.out, cfg)
+    train, held = make_corpus_workload(a.target, a.out, cfg, out_format=a.format)
     print(f"wrote {train} and {held}")
 
 

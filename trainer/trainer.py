@@ -465,10 +465,12 @@ class Trainer:
         return drafter
 
     def _new_drafter(self):
-        """A freshly initialised drafter, prepared on the training rows (EAGLE-3 picks its draft vocab), on the
-        device."""
+        """A freshly initialised drafter (or one started from drafter.init_from), prepared on the training rows
+        (EAGLE-3 picks its draft vocab, unless the export brings its own), on the device."""
         drafter = build_drafter(self._drafter_cfg, self.target, self._tokenizer)
         drafter.prepare(self.rows)
+        if getattr(self._drafter_cfg, "init_from", None):  # warm start: the export's weights (drafters/warm_start.py)
+            drafter.load_export(Path(self._drafter_cfg.init_from))
         return drafter.to(self.dist.device)
 
 
