@@ -24,6 +24,11 @@ exactly:
 A finished run in the output directory is reused only if its resolved config (run_info.json) is the one asked for:
 a different one stops the bench, naming the keys that differ; a reused run prints the git SHA it ran at.
 --quick: 400 training rows, a few steps per drafter (minutes; a smoke run of the whole bench, numbers meaningless).
+--warm-start B: per drafter, also a B-step run whose export starts a second run of the real run's steps
+(`drafter.init_from`, same seed and rows): prints both held-out curves against minutes of training steps (the warm
+run's step 0 is the B-step run's export) and draws the warm curve in the PNG; `warm_start` in quality.json.
+--data committed: train on the demo's committed rows (launch/assets/small-real-corpus: 3,000 + 64 rows of the same
+generation as data=corpus, minutes instead of generating 8,000 rows first).
 --mtp: also MTP, which needs a target with an MTP head: small-real (a Llama) has none, so it runs on
 tiny-qwen3-next (templated data) and compares the fine-tuned layer with the one the target ships (its curve's step
 0, a random layer there); printed as `mtp_untrained_tau` and `mtp_tau` before the last lines.
@@ -47,6 +52,7 @@ from core.run_dir import RunDir  # noqa: E402
 from data.formats import load_rows  # noqa: E402
 from launch.config import DataConfig, TargetConfig  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402
+from trainer.run_info import config_differences  # noqa: E402
 
 DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
 K = 7  # draft tokens per step for every drafter and baseline
@@ -60,6 +66,7 @@ FULL_STEPS = {"dflash": 500, "dflash2": 450, "dspark": 400, "eagle3": 900}
 MTP_STEPS = 200  # tiny-qwen3-next: a small hybrid target, ~1 s per MTP step
 QUICK = {"rows": 400, "heldout_rows": 16, "steps": 12}
 FULL = {"rows": 8000, "heldout_rows": 128}
+COMMITTED = REPO / "launch/assets/small-real-corpus"  # the demo's rows: data=corpus output, tests/launch/test_demo_data.py
 
 
 def ablation_steps(steps: int) -> int:
@@ -88,9 +95,36 @@ def within_budget(metrics: dict, seconds: float = BUDGET_SECONDS) -> dict | None
     return [p for p in curve if p["training_seconds"] <= seconds][-1]  # step 0 is at 0 s
 
 
-def data_overrides(quick: bool) -> list[str]:
+def data_overrides(quick: bool, committed: bool = False) -> list[str]:
+    if committed:
+        return ["data=jsonl", f"data.train_path={COMMITTED / 'train.parquet'}",
+                f"data.heldout_path={COMMITTED / 'heldout.parquet'}"]
     size = QUICK if quick else FULL
     return ["data=corpus", f"data.rows={size['rows']}", f"data.heldout_rows={size['heldout_rows']}"]
+
+
+def minutes_to_reach(curve: list[dict], tau: float) -> float | None:
+    """Minutes of training steps at the first held-out point at or above tau (None: never reached)."""
+    return next((p["training_seconds"] / 60 for p in curve if p["heldout_tau"] >= tau), None)
+
+
+def warm_start_lines(name: str, base: dict, scratch: dict, warm: dict) -> list[str]:
+    """Held-out tau against minutes of training, from scratch and warm-started from the base run's export: the
+    points side by side (both runs take their held-out points at the same steps), and when each first reaches the
+    scratch run's final tau."""
+    lines = [f"{name} warm start from a {base['steps']}-step run ({base['training_seconds'] / 60:.1f} min of training, "
+             f"its export's held-out tau {base['tau_offline']:.3f}); same seed and rows:",
+             f"  {'step':>6s} {'scratch min':>11s} {'tau':>6s} {'warm min':>9s} {'tau':>6s}"]
+    for s, w in zip(scratch["heldout_curve"], warm["heldout_curve"]):
+        lines.append(f"  {s['step']:6d} {s['training_seconds'] / 60:11.2f} {s['heldout_tau']:6.3f} "
+                     f"{w['training_seconds'] / 60:9.2f} {w['heldout_tau']:6.3f}")
+    goal = scratch["heldout_curve"][-1]["heldout_tau"]
+    reach = {k: minutes_to_reach(r["heldout_curve"], goal) for k, r in (("scratch", scratch), ("warm", warm))}
+    lines.append(f"  minutes of training to the scratch run's last held-out tau ({goal:.3f}): scratch "
+                 f"{reach['scratch']:.2f}, warm " + ("not reached" if reach["warm"] is None else f"{reach['warm']:.2f}")
+                 + f" (+ the base run's {base['training_seconds'] / 60:.1f})")
+    lines.append(f"  exports (report half): scratch {scratch['tau_offline']:.3f}, warm {warm['tau_offline']:.3f}")
+    return lines
 
 
 def composed_config(overrides: list[str]) -> dict:
@@ -107,25 +141,13 @@ def composed_config(overrides: list[str]) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def config_differences(ran: dict, want: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two resolved configs."""
-    out = []
-    for key in sorted(set(ran) | set(want)):
-        a, b = ran.get(key), want.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += config_differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: ran {a!r}, asked {b!r}")
-    return out
-
-
 def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str], target: str = "small-real",
-          data: list[str] | None = None) -> dict:
+          data: list[str] | None = None, committed: bool = False) -> dict:
     """One `python -m launch.train` run (resumed if run_dir already has checkpoints); its metrics.json.
     data: the data overrides (default: the corpus rows of data_overrides). A finished run in run_dir is reused
     only when its resolved config (run_info.json) is the one asked for; otherwise this refuses, naming the keys
     that differ, rather than reprint another run's figures as this one's."""
-    data = data_overrides(quick) if data is None else data
+    data = data_overrides(quick, committed) if data is None else data
     overrides = [f"drafter={drafter}", f"target={target}", *data, f"trainer.max_steps={steps}",
                  "trainer.progress=false", *extra]
     run = RunDir(run_dir)
@@ -173,6 +195,10 @@ def plot(results: dict, base: dict, path: Path) -> None:
             if curve_has_times(curve):
                 ax_t.plot([p["training_seconds"] / 60 for p in curve], taus, style, color=color, marker="o", ms=3,
                           label=label)
+        if "warm" in r:  # minutes of this run's training; its step 0 is the base run's export
+            curve = r["warm"]["heldout_curve"]
+            ax_t.plot([p["training_seconds"] / 60 for p in curve], [p["heldout_tau"] for p in curve], "-.",
+                      color=color, marker="s", ms=3, label=f"{name}, warm from a {r['base']['steps']}-step run")
     for axis in (ax, ax_t):
         for name, style in (("bigram", ":"), ("ngram", "-.")):
             axis.axhline(base[name]["tokens_per_step"], color="grey", linestyle=style, label=f"{name} (model-free)")
@@ -183,6 +209,7 @@ def plot(results: dict, base: dict, path: Path) -> None:
     ax_t.set_xlabel("minutes of training steps (this machine; walks and feature waits excluded)")
     ax.set_title("small-real: held-out acceptance while training")
     ax.legend(fontsize=7)
+    ax_t.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -194,10 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps for every drafter (default: FULL_STEPS)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     ap.add_argument("--mtp", action="store_true", help="also MTP, on tiny-qwen3-next (see above)")
+    ap.add_argument("--warm-start", type=int, default=0, metavar="B",
+                    help="also a B-step run and a run of the same steps started from its export (see above)")
+    ap.add_argument("--data", choices=("corpus", "committed"), default="corpus", help="see above")
     ap.add_argument("--out", default="outputs/quality")
     ap.add_argument("--cache-dir", default=os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill"))
     a = ap.parse_args(argv)
     name = "quick" if a.quick else f"steps-{a.steps}" if a.steps else "full"
+    name += "-committed" if a.data == "committed" else ""
     # Hydra's override grammar takes no '=' inside hydra.run.dir's value: drafter.num_layers=2 -> num_layers2; the
     # hash of the whole list keeps two overrides with the same last segment (drafter.loss, trainer.loss) apart.
     tag = hashlib.sha256("\n".join(a.set).encode()).hexdigest()[:6]
@@ -207,16 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(a.cache_dir)
     target_dir = resolve_target(TargetConfig(name="small-real"), cache)
     size = QUICK if a.quick else FULL
-    train_path, heldout_path = resolve_data(
-        DataConfig(source="corpus", rows=size["rows"], heldout_rows=size["heldout_rows"], prompt_tokens=320,
-                   prompt_min_tokens=96, max_new_tokens=64), target_dir, cache)
+    committed = a.data == "committed"
+    train_path, heldout_path = (COMMITTED / "train.parquet", COMMITTED / "heldout.parquet") if committed else (
+        resolve_data(DataConfig(source="corpus", rows=size["rows"], heldout_rows=size["heldout_rows"],
+                                prompt_tokens=320, prompt_min_tokens=96, max_new_tokens=64), target_dir, cache))
     results = {}
     for name in filter(None, a.drafters.split(",")):  # --drafters "" --mtp: MTP and the baselines only
         steps = a.steps or (QUICK["steps"] if a.quick else FULL_STEPS[name])
         every = [f"trainer.eval_every={max(1, steps // 5)}"]  # a held-out point at the ablation's last step
-        results[name] = {"real": train(name, out / name, steps, a.quick, [*a.set, *every]),
+        results[name] = {"real": train(name, out / name, steps, a.quick, [*a.set, *every], committed=committed),
                          "ablation": train(name, out / f"{name}-zero", ablation_steps(steps), a.quick,
-                                           [*a.set, "trainer.feature_ablation=zero"])}
+                                           [*a.set, "trainer.feature_ablation=zero"], committed=committed)}
+        if a.warm_start:
+            base_dir = out / f"{name}-base{a.warm_start}"
+            results[name]["base"] = train(name, base_dir, a.warm_start, a.quick, a.set, committed=committed)
+            results[name]["warm"] = train(name, out / f"{name}-warm{a.warm_start}", steps, a.quick,
+                                          [*a.set, *every, f"drafter.init_from={base_dir / 'export'}"],
+                                          committed=committed)
     mtp = (train("mtp", out / "mtp-tiny-qwen3-next", QUICK["steps"] if a.quick else MTP_STEPS, a.quick, [],
                  target="tiny-qwen3-next", data=["data.rows=64" if a.quick else "data.rows=512"]) if a.mtp else None)
     base = baselines(target_dir, train_path, heldout_path)
@@ -227,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
                     for kind in ("real", "ablation")} for name, r in results.items()}
     for name, r in table.items():
         r["real"]["within_30_min"] = within_budget(results[name]["real"])
+        if "warm" in results[name]:
+            r["warm_start"] = {kind: {k: results[name][kind][k] for k in ("tau_offline", "steps", "training_seconds",
+                                                                          "heldout_curve")}
+                               for kind in ("base", "warm")}
     (out / "quality.json").write_text(json.dumps({"drafters": table, "baselines": base}, indent=2) + "\n")
     for name, r in table.items():
         a_k = " ".join(f"{x:.3f}" for x in r["real"]["per_position_acceptance"])
@@ -239,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         k = r["ablation"]["steps"]
         print(f"{name} at {k} steps: held-out tau {curve_point(results[name]['real'], k):.3f} with the target's "
               f"states, {r['ablation']['tau_offline']:.3f} with them zeroed")
+        if "warm" in results[name]:
+            print("\n".join(warm_start_lines(name, results[name]["base"], results[name]["real"],
+                                            results[name]["warm"])))
     print(f"plot: {out / 'quality.png'}")
     if mtp:  # the layer as the target ships it is the curve's step-0 point
         print(f"mtp_untrained_tau: {mtp['heldout_curve'][0]['heldout_tau']:.3f}")

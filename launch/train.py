@@ -28,7 +28,7 @@ from launch.config import register_configs  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402
 from launch.ranks import launch_local  # noqa: E402
 from trainer.layout import torchrun_sizes  # noqa: E402
-from trainer.run_info import write_run_info  # noqa: E402
+from trainer.run_info import changes_on_resume, write_run_info  # noqa: E402
 from trainer.trainer import Trainer  # noqa: E402
 
 log = logging.getLogger("specdistill")
@@ -54,7 +54,10 @@ def main(cfg: DictConfig) -> dict:
         return _relaunch_as_ranks(cfg.trainer.ranks, run_dir)
     _adopt_torchrun_sizes(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    write_run_info(run_dir, resolved)
+    changed = changes_on_resume(run_dir, resolved)
+    for change in changed:  # resuming is right after a crash; a changed setting is the user's to know about
+        log.warning("resuming %s with a setting changed from the run's own (run_info.json): %s", run_dir, change)
+    write_run_info(run_dir, resolved, changed)
     trainer = Trainer(
         drafter_cfg=OmegaConf.to_object(cfg.drafter),
         trainer_cfg=OmegaConf.to_object(cfg.trainer),

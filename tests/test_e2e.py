@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from core.run_dir import RunDir
-from tests.cli import REPO, SMALL, run_train
+from tests.cli import REPO, SMALL, run_bounded, run_train
 
 
 @pytest.mark.slow
@@ -58,9 +58,18 @@ def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
 
     second = run_train([*args, "trainer.max_steps=5"], cache_dir)
     assert "resumed from" in second.stderr + second.stdout
+    # the changed setting is said, and kept in run_info.json (whose config is now the resumed launch's)
+    assert "setting changed from the run's own (run_info.json): trainer.max_steps: ran 3, asked 5" in second.stderr + second.stdout
+    assert json.loads(run.run_info.read_text())["changed_on_resume"] == ["trainer.max_steps: ran 3, asked 5"]
     resumed = json.loads(run.metrics.read_text())
     assert resumed["steps"] == 5 and resumed["train_tokens"] > first["train_tokens"]
     assert _run_files(run_dir) == [] and _orphaned_semaphores(semaphores_before) == set()
+    if target == "tiny-llama":  # a run directory past the asked steps is refused, not exported as a shorter run
+        env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir)}
+        third = run_bounded([sys.executable, "-m", "launch.train", *args, "trainer.max_steps=4"], cwd=REPO, env=env)
+        assert third.returncode != 0
+        assert "already trained to step 5, past trainer.max_steps=4" in third.stderr + third.stdout
+        assert json.loads(run.metrics.read_text())["steps"] == 5  # the finished run's record is untouched
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     eval_rows: int = 64  # held-out rows for tau_offline and validation (0 = all); as many training rows are probed
+    probe_rows: int | None = None  # training rows walked beside them (the overfitting gap); None: as many, 0: none
     # Held-out acceptance every N steps (trainer/validation.py); 0 = at the end only; None = 5 points per run
     # (max_steps // 5, at most every 500 steps). An N above max_steps is an error.
     eval_every: int | None = None

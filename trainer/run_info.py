@@ -33,7 +33,32 @@ def versions() -> dict[str, str]:
     return found
 
 
-def write_run_info(run_dir: Path, resolved_config: dict) -> None:
+def config_differences(ran: dict, want: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two resolved configs, as `key: ran A, asked B`."""
+    out = []
+    for key in sorted(set(ran) | set(want)):
+        a, b = ran.get(key), want.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: ran {a!r}, asked {b!r}")
+    return out
+
+
+def changes_on_resume(run_dir: Path, resolved_config: dict) -> list[str]:
+    """What this launch changes in a run directory that has checkpoints to resume from: the differences between
+    the config its run_info.json recorded and this one (empty for a fresh run directory)."""
+    run = RunDir(run_dir)
+    if run.latest_checkpoint() is None or not run.run_info.is_file():
+        return []
+    return config_differences(json.loads(run.run_info.read_text()).get("config", {}), resolved_config)
+
+
+def write_run_info(run_dir: Path, resolved_config: dict, changed_on_resume: list[str] | None = None) -> None:
+    """run_info.json; on a resume, `changed_on_resume` keeps what this launch changed (the earlier config is
+    overwritten, so the changes are the record of it)."""
+    run = RunDir(run_dir)
+    earlier = json.loads(run.run_info.read_text()).get("changed_on_resume", []) if run.run_info.is_file() else []
     info = {
         "git_sha": git_sha(Path(__file__).resolve().parents[1]),
         "versions": versions(),
@@ -41,4 +66,6 @@ def write_run_info(run_dir: Path, resolved_config: dict) -> None:
         "argv": sys.argv,
         "config": resolved_config,
     }
-    RunDir(run_dir).run_info.write_text(json.dumps(info, indent=2, default=str) + "\n")
+    if changed_on_resume or earlier:
+        info["changed_on_resume"] = [*earlier, *(changed_on_resume or [])]
+    run.run_info.write_text(json.dumps(info, indent=2, default=str) + "\n")

@@ -296,6 +296,11 @@ class Trainer:
         parallel.load_model_state(self.drafter, ckpt.drafter)
         parallel.load_optimizer_state(self.drafter, self.optimizers.optimizers, ckpt.optimizers)
         state, generator_state = ckpt.rank_state(self.dist.rank, self.dist.world_size)
+        if state.step > self.cfg.max_steps:  # the loop would not run, and the export would be this later step's
+            raise ValueError(f"{path}: this run directory already trained to step {state.step}, past "
+                             f"trainer.max_steps={self.cfg.max_steps}; its export would be step {state.step}'s "
+                             f"weights, not a {self.cfg.max_steps}-step run's. Use a new hydra.run.dir, or "
+                             f"trainer.max_steps >= {state.step} to continue this run")
         if generator_state is not None:
             self.generator.set_state(generator_state)
         log.info("resumed from %s at step %d (epoch %d, %d rows consumed)", path, state.step, state.epoch,
@@ -324,15 +329,17 @@ class Trainer:
 
     # --- validation --------------------------------------------------------------------------------
     def _eval_rows(self) -> tuple[list, list]:
-        """Rank 0's held-out rows and as many training rows (the probe, with ids moved past any file's line count
-        so one stream can carry both), extracted once by the feed before the first epoch."""
+        """Rank 0's held-out rows and trainer.probe_rows training rows (the probe; default as many as held-out, with
+        ids moved past any file's line count so one stream can carry both), extracted once by the feed before the
+        first epoch."""
         if not self.dist.is_main:
             return [], []
         heldout = self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows
         if not heldout:
             log.warning("no held-out rows: tau_offline and the held-out curve are not measured")
             return [], []
-        return heldout, [replace(r, row_id=PROBE_ROW_OFFSET + r.row_id) for r in self.rows[: len(heldout)]]
+        probe_rows = len(heldout) if self.cfg.probe_rows is None else self.cfg.probe_rows
+        return heldout, [replace(r, row_id=PROBE_ROW_OFFSET + r.row_id) for r in self.rows[:probe_rows]]
 
     def _make_validator(self, heldout: list, probe: list) -> Validator | None:
         """Rank 0: the held-out and probe samples (kept for every evaluation), as trained (ablation applied)."""

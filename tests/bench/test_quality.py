@@ -47,3 +47,24 @@ def test_a_finished_run_is_reused_only_for_the_config_it_ran(tmp_path):
         train("dflash", tmp_path / "dflash", 5, False, [], data=["data=corpus"])
     run.run_info.write_text(json.dumps({"git_sha": "abc123", "config": composed_config(asked)}))
     assert train("dflash", tmp_path / "dflash", 5, False, [], data=["data=corpus"]) == {"tau_offline": 9.9}
+
+
+def test_warm_start_lines_set_the_two_curves_side_by_side_and_time_the_scratch_runs_last_tau():
+    from bench.quality import minutes_to_reach, warm_start_lines
+
+    scratch = {"steps": 300, "tau_offline": 3.0, "heldout_curve": [_point(0, 0.0, 1.0), _point(150, 180.0, 2.5),
+                                                                   _point(300, 360.0, 3.1)]}
+    warm = {"steps": 300, "tau_offline": 3.3, "heldout_curve": [_point(0, 0.0, 2.4), _point(150, 180.0, 3.2),
+                                                                _point(300, 360.0, 3.4)]}
+    base = {"steps": 100, "tau_offline": 2.45, "training_seconds": 120.0}
+    assert minutes_to_reach(scratch["heldout_curve"], 3.1) == 6.0
+    assert minutes_to_reach(warm["heldout_curve"], 3.1) == 3.0
+    assert minutes_to_reach(warm["heldout_curve"], 9.0) is None
+    lines = warm_start_lines("eagle3", base, scratch, warm)
+    assert lines[0].startswith("eagle3 warm start from a 100-step run (2.0 min of training, its export's held-out "
+                               "tau 2.450)")
+    assert lines[2].split() == ["0", "0.00", "1.000", "0.00", "2.400"]
+    assert "scratch 6.00, warm 3.00 (+ the base run's 2.0)" in lines[-2]
+    assert lines[-1].endswith("scratch 3.000, warm 3.300")
+    warm["heldout_curve"][-1]["heldout_tau"] = warm["heldout_curve"][1]["heldout_tau"] = 3.0
+    assert "warm not reached" in warm_start_lines("eagle3", base, scratch, warm)[-2]

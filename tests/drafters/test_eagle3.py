@@ -172,6 +172,48 @@ def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path):
     assert_same_loss_and_gradients(drafter, out.loss, ref, ref_out[1], min_params=10)
 
 
+def test_target_side_computed_once_per_position_equals_recomputing_it_per_chain_step(tiny_llama_dir, monkeypatch):
+    """ChainTargets keeps the target's draft-vocab logits per scored position; over TARGET_LOGITS_BUDGET it hands
+    chunked_loss the states to recompute them per chain step (the earlier path). Same loss, gradients and metrics;
+    and the kept logits are computed for each distinct position once."""
+    import drafters.eagle3 as eagle3
+    from kernels.logits import chunked as chunked_module
+
+    info = TargetInfo.load(tiny_llama_dir)
+    head = TargetHead(info)
+    head.lm_head.weight.data *= 30
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(Eagle3Config(draft_vocab_size=64), info)
+    batch = make_batch(info, drafter.feature_spec().layer_ids)
+    drafter.prepare([TokenizedRow(0, tuple(batch.input_ids_T.tolist()), tuple(batch.loss_mask_T.int().tolist()))])
+    runs, real = {}, chunked_module._chunk_logits
+    for budget in (eagle3.TARGET_LOGITS_BUDGET, 0):
+        monkeypatch.setattr(eagle3, "TARGET_LOGITS_BUDGET", budget)
+        recomputed = []  # per chunk of logits: whether the target's were recomputed from its states
+        monkeypatch.setattr(chunked_module, "_chunk_logits",
+                            lambda *a, seen=recomputed: (seen.append(a[2] is not None), real(*a))[1])
+        drafter.zero_grad()
+        out = drafter.training_step(batch, head, torch.Generator().manual_seed(0))
+        out.loss.backward()
+        runs[budget] = (out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None},
+                        recomputed)
+    (kept, kept_grads, kept_recomputed), (again, again_grads, again_recomputed) = runs.values()
+    assert not any(kept_recomputed) and all(again_recomputed)  # which path each run took
+    assert kept.total_K[:2].min() > 0  # several chain steps scored: positions repeat across them
+    torch.testing.assert_close(kept.loss, again.loss, rtol=1e-6, atol=1e-7)
+    assert kept_grads.keys() == again_grads.keys() and len(kept_grads) >= 5
+    for name in kept_grads:
+        torch.testing.assert_close(kept_grads[name], again_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert torch.equal(kept.correct_K, again.correct_K) and torch.equal(kept.total_K, again.total_K)
+
+    monkeypatch.undo()  # the default budget again
+    pairs = drafter.pairs(batch)
+    pos_SK, valid_SK = drafter.chain_labels(batch, pairs)
+    prev = pos_SK[valid_SK] - 1
+    targets = eagle3.ChainTargets(head, batch.layers([info.num_hidden_layers])[:, 0], prev, drafter.draft_ids)
+    assert targets.logits_UV.shape == (prev.unique().numel(), 64) and prev.numel() > 2 * prev.unique().numel()
+
+
 # --- served by vLLM --------------------------------------------------------------------------------------------
 # The offline walk (evaluation.acceptance) replays vLLM's greedy decode path on the target's true states of vLLM's own
 # base outputs, so its counters must equal vLLM's: exactly on fp32 tiny-llama, closely on bf16 tiny-qwen3-next.

@@ -64,6 +64,15 @@ def test_held_out_curve_best_export_and_resume_keep_the_best(data, tmp_path):
     assert resumed["heldout_curve"][:2] == curve[:2]
 
 
+def test_probe_rows_default_to_the_held_out_count_and_can_be_fewer_or_none(data, tmp_path):
+    """trainer.probe_rows: the training rows walked beside the held-out ones (each costs extraction and a walk at
+    every point); None = as many as held-out, 0 = no probe (the curve's train_rows_tau is then None)."""
+    for probe_rows, expected in ((None, 3), (1, 1), (0, 0)):
+        heldout, probe = _trainer(data, tmp_path / f"run{probe_rows}", probe_rows=probe_rows)._eval_rows()
+        assert len(heldout) == 3 and len(probe) == expected
+        assert {r.row_id for r in probe}.isdisjoint(r.row_id for r in heldout)
+
+
 def test_eval_settings_fail_clearly():
     with pytest.raises(ValueError, match=r"trainer.eval_every=500 is larger than trainer.max_steps=200"):
         check_eval_settings(500, 200, "best")
