@@ -1,6 +1,6 @@
-"""`make demo`: the real thing on the committed `small-real` target, sized for 2 CPU cores (~6 minutes warm).
+"""`make demo`: the real thing on the committed `small-real` target, sized for 2 CPU cores (~4.5 minutes warm).
 
-1. Trains EAGLE-3 through the CLI (`python -m launch.train`, online: a feature worker prefills the target over the
+1. Trains EAGLE-3 anew (replacing outputs/demo) through the CLI (`python -m launch.train`, online: a feature worker prefills the target over the
    rows while the trainer trains) on 3,000 committed rows of real text continued greedily by small-real itself
    (launch/assets/small-real-corpus/, tests/launch/test_demo_data.py checks they are its own continuations).
 2. Prints held-out tau and a_1 of the export against the model-free baselines on the same rows: a bigram table
@@ -13,7 +13,7 @@
 Exits non-zero if training or serving fails, or the served tau is off the offline one by more than MAX_GAP_PCT.
 
 Why slower here: a 2-core CPU runs the drafter's pass at a sizeable fraction of a target step for a target this
-small (small-real: 8 layers), and verifying K+1 tokens costs more than one, so a speculative step costs several
+small (small-real: 6 layers), and verifying K+1 tokens costs more than one, so a speculative step costs several
 target steps and emits tau tokens. On a GPU the target's step is memory-bound and verifying K+1 tokens costs about
 one step, which is where the speedup comes from: it is measured with `bench/turns.py` on the GPU node.
 """

@@ -58,7 +58,7 @@ DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
 K = 7  # draft tokens per step for every drafter and baseline
 # Full run: steps per drafter, sized to ~30 min of training on 2 cores from the step rates measured since Muon
 # orthogonalises in fp32 on CPU (docs/quality.md): 5-layer dflash 4.6 s/step alone on 2026-12-03 (~38 min for 500;
-# near step 400 at 30 min), eagle3 ~1.2 s/step.
+# near step 400 at 30 min), eagle3 ~1.2 s/step (~1.0 since its chain targets are computed once per position).
 # dflash2 and dspark measured ~4.7 s/step quiet (held-out walks included; 450 / 400 steps ~35 / ~31 min), but the same
 # runs took 5.7 / 6.4 s/step on another day on the same machine (no feature waiting; the zero-state ablation, the same
 # compute, 4.5 vs 5.7 s): their curves (metrics.json heldout_curve, the PNG) show where each stands at 30 minutes.
