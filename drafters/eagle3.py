@@ -202,8 +202,8 @@ class ChainTargets:
 
     def loss_args(self, u_M: torch.Tensor) -> dict:
         """chunked_loss's target arguments for rows u_M: the kept logits, or the states to recompute them from."""
-        if self.logits_UV is not None:
-            return {"target_logits_MV": self.logits_UV[u_M]}
+        if self.logits_UV is not None:  # shared by every chain step's call: no [M, V] copy per step
+            return {"target_logits_UV": self.logits_UV, "target_rows_M": u_M}
         return {"target_hidden_MD": self.normed_UD[u_M], "target_weight_VD": self.weight_VD}
 
 

@@ -52,11 +52,12 @@ class _ChunkedLoss(torch.autograd.Function):
     draft's greedy token [M], the target's greedy token [M] and TV(p_target, q) [M] (empty when no target)."""
 
     @staticmethod
-    def forward(ctx, hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_MV, labels_M, kind, chunk,
-                ignore_index, want_tv):
+    def forward(ctx, hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV, target_rows_M, labels_M,
+                kind, chunk, ignore_index, want_tv):
         losses, draft_tok, target_tok, tv = [], [], [], []
         for c0 in range(0, hidden_MD.shape[0], chunk):
-            z, t = _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_MV, c0, chunk)
+            z, t = _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV,
+                                 target_rows_M, c0, chunk)
             lab = labels_M[c0:c0 + chunk] if labels_M is not None else None
             losses.append(_loss_and_grad(kind, z, t, lab, ignore_index, need_grad=False)[0])
             draft_tok.append(z.argmax(-1))
@@ -64,7 +65,8 @@ class _ChunkedLoss(torch.autograd.Function):
                 target_tok.append(t.argmax(-1))
             if want_tv:
                 tv.append(0.5 * (torch.softmax(t, -1) - torch.softmax(z, -1)).abs().sum(-1))
-        ctx.save_for_backward(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_MV, labels_M)
+        ctx.save_for_backward(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV, target_rows_M,
+                              labels_M)
         ctx.kind, ctx.chunk, ctx.ignore_index = kind, chunk, ignore_index
         # The backward recomputes the logits: under the same autocast as the forward (a bf16 activation times an
         # fp32 master weight only multiplies under autocast; torch.amp.custom_bwd does this for one device type).
@@ -84,12 +86,14 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, g_M):
-        hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_MV, labels_M = ctx.saved_tensors
+        hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV, target_rows_M, labels_M = \
+            ctx.saved_tensors
         chunk = ctx.chunk
         d_hidden = torch.empty_like(hidden_MD) if ctx.needs_input_grad[0] else None
         d_weight = torch.zeros_like(weight_VD, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for c0 in range(0, hidden_MD.shape[0], chunk):
-            z, t = _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_MV, c0, chunk)
+            z, t = _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV,
+                                 target_rows_M, c0, chunk)
             lab = labels_M[c0:c0 + chunk] if labels_M is not None else None
             _, dz = _loss_and_grad(ctx.kind, z, t, lab, ctx.ignore_index, need_grad=True)
             dz = (dz * g_M[c0:c0 + chunk, None]).to(weight_VD.dtype)
@@ -98,13 +102,14 @@ class _ChunkedLoss(torch.autograd.Function):
             if d_weight is not None:
                 d_weight.add_(dz.t() @ hidden_MD[c0:c0 + chunk].to(dz.dtype))  # accumulated over chunks in fp32
         d_weight = d_weight.to(weight_VD.dtype) if d_weight is not None else None
-        return d_hidden, d_weight, None, None, None, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None, None, None, None
 
 
-def _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_MV, c0, chunk):
+def _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV, target_rows_M, c0,
+                  chunk):
     z = F.linear(hidden_MD[c0:c0 + chunk], weight_VD).float()
-    if target_logits_MV is not None:
-        return z, target_logits_MV[c0:c0 + chunk].float()
+    if target_logits_UV is not None:  # rows of the caller's logits: gathered a chunk at a time, never all M
+        return z, target_logits_UV[target_rows_M[c0:c0 + chunk]].float()
     if target_hidden_MD is None:
         return z, None
     with torch.no_grad():
@@ -124,24 +129,27 @@ class LossRows:
 
 def chunked_loss(kind: str, hidden_MD, weight_VD, target_hidden_MD=None, target_weight_VD=None, labels_M=None,
                  chunk: int = DEFAULT_CHUNK, ignore_index: int = -100, with_tv: bool = False,
-                 target_logits_MV=None) -> LossRows:
+                 target_logits_UV=None, target_rows_M=None) -> LossRows:
     """One chunked pass: per-row `kind` loss ("ce" to labels_M; "kl" / "tv" to the target's distribution) and,
     from the same logits, the greedy tokens a training step reports as metrics (and TV with with_tv=True).
 
-    target_logits_MV: the target's logits over weight_VD's vocabulary, computed by the caller, instead of
-    target_hidden_MD / target_weight_VD: for a caller that scores the same target positions several times in a step
-    (EAGLE-3's chain steps) and computes them once; it holds [M, V] by its own choice."""
+    target_logits_UV, target_rows_M: the target's logits over weight_VD's vocabulary, computed by the caller for U
+    positions, and which of them each of the M rows is; instead of target_hidden_MD / target_weight_VD. For a caller
+    that scores the same target positions several times in a step (EAGLE-3's chain steps) and computes them once:
+    it holds [U, V] by its own choice, and every call shares it (rows are gathered a chunk at a time)."""
     if kind == "ce":
-        target_hidden_MD = target_weight_VD = target_logits_MV = None
-    elif target_logits_MV is not None:
+        target_hidden_MD = target_weight_VD = target_logits_UV = target_rows_M = None
+    elif target_logits_UV is not None:
+        if target_rows_M is None or target_rows_M.shape[0] != hidden_MD.shape[0]:
+            raise ValueError(f"target_logits_UV needs target_rows_M, one row index per hidden row ({hidden_MD.shape[0]})")
         target_hidden_MD = target_weight_VD = None
-        target_logits_MV = target_logits_MV.detach()
+        target_logits_UV = target_logits_UV.detach()
     else:
         target_hidden_MD, target_weight_VD = target_hidden_MD.detach(), target_weight_VD.detach()
     loss, draft, target, tv = _ChunkedLoss.apply(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD,
-                                                 target_logits_MV, labels_M, kind, chunk, ignore_index,
+                                                 target_logits_UV, target_rows_M, labels_M, kind, chunk, ignore_index,
                                                  with_tv and kind != "ce")
-    with_target = target_hidden_MD is not None or target_logits_MV is not None
+    with_target = target_hidden_MD is not None or target_logits_UV is not None
     return LossRows(loss, draft, target if with_target else None, tv if with_tv and with_target else None)
 
 

@@ -122,3 +122,27 @@ def test_chunked_loss_trains_under_bf16_autocast_over_fp32_weights(kind):
             assert torch.cosine_similarity(actual_grad.flatten(), expected_grad.flatten(), dim=0) > 0.9
         else:
             assert rel_err(actual_grad, expected_grad) <= 3e-2
+
+
+@pytest.mark.parametrize("kind", ["kl", "tv"])
+def test_precomputed_target_logits_by_row_index_equal_recomputing_them(kind):
+    """target_logits_UV + target_rows_M (a caller's logits for U distinct positions, M rows indexing them) give the
+    loss, gradients and metrics of passing each row's target state; a missing or wrong-length index is refused."""
+    from kernels.logits import chunked_loss
+
+    hidden, weight, (target_U, target_weight), _, g = inputs(torch.float32)
+    rows_M = torch.randint(0, M, (M,), generator=torch.Generator().manual_seed(1))  # positions repeat
+    logits_UV = target_U @ target_weight.t()
+    results = []
+    for args in ({"target_hidden_MD": target_U[rows_M], "target_weight_VD": target_weight},
+                 {"target_logits_UV": logits_UV, "target_rows_M": rows_M}):
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        out = chunked_loss(kind, h, w, chunk=4, with_tv=True, **args)
+        (out.loss * g).sum().backward()
+        results.append((out, h.grad, w.grad))
+    (a, a_h, a_w), (b, b_h, b_w) = results
+    for x, y in ((a.loss, b.loss), (a.tv, b.tv), (a_h, b_h), (a_w, b_w)):
+        assert rel_err(y, x) < 1e-5
+    assert torch.equal(a.draft_token, b.draft_token) and torch.equal(a.target_token, b.target_token)
+    with pytest.raises(ValueError, match="target_rows_M, one row index per hidden row"):
+        chunked_loss(kind, hidden, weight, target_logits_UV=logits_UV, target_rows_M=rows_M[:-1])
