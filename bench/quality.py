@@ -54,6 +54,9 @@ from launch.config import DataConfig, TargetConfig  # noqa: E402
 from launch.prepare import resolve_data, resolve_target  # noqa: E402
 from trainer.run_info import config_differences  # noqa: E402
 
+# --data committed: the demo's rows (data=corpus output; tests/launch/test_demo_data.py checks them)
+from bench.demo import HELDOUT as COMMITTED_HELDOUT, TRAIN as COMMITTED_TRAIN  # noqa: E402
+
 DRAFTERS = ("dflash", "dflash2", "dspark", "eagle3")
 K = 7  # draft tokens per step for every drafter and baseline
 # Full run: steps per drafter, sized to ~30 min of training on 2 cores from the step rates measured since Muon
@@ -66,7 +69,6 @@ FULL_STEPS = {"dflash": 500, "dflash2": 450, "dspark": 400, "eagle3": 900}
 MTP_STEPS = 200  # tiny-qwen3-next: a small hybrid target, ~1 s per MTP step
 QUICK = {"rows": 400, "heldout_rows": 16, "steps": 12}
 FULL = {"rows": 8000, "heldout_rows": 128}
-COMMITTED = REPO / "launch/assets/small-real-corpus"  # the demo's rows: data=corpus output, tests/launch/test_demo_data.py
 
 
 def ablation_steps(steps: int) -> int:
@@ -97,8 +99,7 @@ def within_budget(metrics: dict, seconds: float = BUDGET_SECONDS) -> dict | None
 
 def data_overrides(quick: bool, committed: bool = False) -> list[str]:
     if committed:
-        return ["data=jsonl", f"data.train_path={COMMITTED / 'train.parquet'}",
-                f"data.heldout_path={COMMITTED / 'heldout.parquet'}"]
+        return ["data=jsonl", f"data.train_path={COMMITTED_TRAIN}", f"data.heldout_path={COMMITTED_HELDOUT}"]
     size = QUICK if quick else FULL
     return ["data=corpus", f"data.rows={size['rows']}", f"data.heldout_rows={size['heldout_rows']}"]
 
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     target_dir = resolve_target(TargetConfig(name="small-real"), cache)
     size = QUICK if a.quick else FULL
     committed = a.data == "committed"
-    train_path, heldout_path = (COMMITTED / "train.parquet", COMMITTED / "heldout.parquet") if committed else (
+    train_path, heldout_path = (COMMITTED_TRAIN, COMMITTED_HELDOUT) if committed else (
         resolve_data(DataConfig(source="corpus", rows=size["rows"], heldout_rows=size["heldout_rows"],
                                 prompt_tokens=320, prompt_min_tokens=96, max_new_tokens=64), target_dir, cache))
     results = {}

@@ -46,7 +46,7 @@ from drafters.base import Drafter, StepOutput, export_dtype, proposal_tokens, sp
 from drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
                              layer_geometry, speculators_layer_config)
 from kernels.attention import packed_causal_plan
-from kernels.logits import DEFAULT_CHUNK, chunked_argmax, chunked_loss
+from kernels.logits import chunked_argmax, chunked_loss
 
 
 @dataclass
@@ -193,8 +193,7 @@ class ChainTargets:
             self.argmax_U = head.argmax(last_TD[self.states_U])
             self.weight_VD = head.lm_head.weight[draft_ids]  # the target distribution restricted to the draft vocab
             fits = self.states_U.numel() * draft_ids.numel() * self.normed_UD.element_size() <= TARGET_LOGITS_BUDGET
-            self.logits_UV = (torch.cat([F.linear(part, self.weight_VD) for part in self.normed_UD.split(DEFAULT_CHUNK)])
-                              if fits and self.states_U.numel() else None)
+            self.logits_UV = F.linear(self.normed_UD, self.weight_VD) if fits else None
 
     def index(self, positions_M: torch.Tensor) -> torch.Tensor:
         """Rows of states_U for pack positions (each one of the prev_M given)."""

@@ -54,10 +54,11 @@ def main(cfg: DictConfig) -> dict:
         return _relaunch_as_ranks(cfg.trainer.ranks, run_dir)
     _adopt_torchrun_sizes(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    changed = changes_on_resume(run_dir, resolved)
-    for change in changed:  # resuming is right after a crash; a changed setting is the user's to know about
-        log.warning("resuming %s with a setting changed from the run's own (run_info.json): %s", run_dir, change)
-    write_run_info(run_dir, resolved, changed)
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run dir's records (docs/launching.md)
+        changed = changes_on_resume(run_dir, resolved)
+        for change in changed:  # resuming is right after a crash; a changed setting is the user's to know about
+            log.warning("resuming %s with a setting changed from the run's own (run_info.json): %s", run_dir, change)
+        write_run_info(run_dir, resolved, changed)
     trainer = Trainer(
         drafter_cfg=OmegaConf.to_object(cfg.drafter),
         trainer_cfg=OmegaConf.to_object(cfg.trainer),

@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -68,4 +69,7 @@ def write_run_info(run_dir: Path, resolved_config: dict, changed_on_resume: list
     }
     if changed_on_resume or earlier:
         info["changed_on_resume"] = [*earlier, *(changed_on_resume or [])]
-    run.run_info.write_text(json.dumps(info, indent=2, default=str) + "\n")
+    # Atomic: a resumed launch reads it back (changes_on_resume), and a crash mid-write must not leave half a file.
+    partial = run.run_info.with_name(f".{run.run_info.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(info, indent=2, default=str) + "\n")
+    os.replace(partial, run.run_info)
