@@ -3,11 +3,11 @@
     python -m bench.acceptance --run RUN_DIR [--run RUN_DIR2 ...] --rows heldout.jsonl --out DIR \
         [--temperature 0] [--draft-mode greedy|sample] [--seed 0] [--max-rows N] [--max-tokens N] [--target DIR]
 
-Each run dir is a finished (or interrupted) training run (evaluation.reload.load_run: its last checkpoint). The
+Each run dir is a finished (or interrupted) training run (specdistill.evaluation.reload.load_run: its last checkpoint). The
 target defaults to the one the run trained against (metrics.json "target", else the resolved config). Writes
 DIR/acceptance.json ({"runs": {label: report}}, report = tau, per_position a_k, conditional a_k/a_{k-1}, counters,
 by_stage) and DIR/acceptance.png (a_k and conditional acceptance by position, one line per drafter), and prints
-`tau[label]: X` lines. The walk and the T > 0 rule are evaluation.acceptance's (the same code as metrics.json's
+`tau[label]: X` lines. The walk and the T > 0 rule are specdistill.evaluation.acceptance's (the same code as metrics.json's
 tau_offline).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core.run_dir import RunDir  # noqa: E402
+from specdistill.core.run_dir import RunDir  # noqa: E402
 
 
 def run_target(run_dir: Path) -> Path:
@@ -47,12 +47,12 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
     import torch
     from transformers import AutoTokenizer
 
-    from data.formats import load_rows
-    from feature_server.config import FeatureServerConfig
-    from feature_server.server import FeatureServer
-    from evaluation.acceptance import stages_by_row_id
-    from evaluation.served import evaluate_as_served
-    from evaluation.reload import load_run
+    from specdistill.data.formats import load_rows
+    from specdistill.feature_server.config import FeatureServerConfig
+    from specdistill.feature_server.server import FeatureServer
+    from specdistill.evaluation.acceptance import stages_by_row_id
+    from specdistill.evaluation.served import evaluate_as_served
+    from specdistill.evaluation.reload import load_run
 
     target_dir = target_dir or run_target(run_dir)
     drafter, head, info = load_run(run_dir, target_dir)
@@ -93,7 +93,7 @@ def plot(reports: dict, path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", required=True, type=Path, help="training run dir (repeatable)")
-    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (data/synthetic.py rows)")
+    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (specdistill/data/synthetic.py rows)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--target", type=Path, default=None, help="default: the target each run trained against")
     ap.add_argument("--temperature", type=float, default=0.0)

@@ -1,6 +1,6 @@
 """Model-free drafters, the floor a trained drafter must clear: a bigram table and prompt-lookup n-grams.
 
-Both walk the same greedy decode path as the offline evaluator (evaluation/acceptance.py `walk`): from the first
+Both walk the same greedy decode path as the offline evaluator (specdistill/evaluation/acceptance.py `walk`): from the first
 response token, each step proposes up to K tokens from what is known at the anchor (the row up to and including
 it), the target accepts the longest matching prefix and adds its own token. A step with no proposal still counts
 as a step (1 token), so `tau` here is tokens per step over every step, which is what a user sees (vLLM's own
@@ -15,8 +15,8 @@ n-gram counters leave undrafted steps out and overstate it; docs/acceptance.md).
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
-from core.contract import TokenizedRow
-from evaluation.acceptance import AcceptanceCounts, walk
+from specdistill.core.contract import TokenizedRow
+from specdistill.evaluation.acceptance import AcceptanceCounts, walk
 
 
 class BigramTable:

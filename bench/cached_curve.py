@@ -1,5 +1,5 @@
 """A drafter's held-out curve on cached features (an experiment tool, not a test): the training step and the held-out
-walk of `python -m launch.train`, with the target's states extracted once and kept on disk, so variants of a drafter
+walk of `python -m specdistill.launch.train`, with the target's states extracted once and kept on disk, so variants of a drafter
 (optimizer settings, initialisation, anchors) are compared step for step without re-running the target.
 
     python bench/cached_curve.py dflash --steps 300 --set num_layers=2 [--tset muon_lr=0.005] [--rows 6000]
@@ -8,8 +8,8 @@ walk of `python -m launch.train`, with the target's states extracted once and ke
 Data: `target=small-real data=corpus` (8,000 training rows, 128 held-out), the first --rows training rows and
 --heldout held-out rows, in dataset order, epoch after epoch. Features: every layer 1..L of the target in bf16 (any
 drafter's ids are a subset), extracted once with the HF backend into CACHE/cached_features/. Steps and the held-out
-walk are the trainer's own (trainer/trainer.py `_step` semantics: grad clip, Muon + AdamW, the LR schedule of
-trainer.max_steps = --steps; evaluation/served.py: the export's dtype, greedy, K as served).
+walk are the trainer's own (specdistill/trainer/trainer.py `_step` semantics: grad clip, Muon + AdamW, the LR schedule of
+trainer.max_steps = --steps; specdistill/evaluation/served.py: the export's dtype, greedy, K as served).
 --set KEY=VALUE sets a drafter field, --tset a trainer field (JSON values). Last lines:
   step N: heldout_tau X a_1 Y            at every evaluation
   final_heldout_tau: X
@@ -27,19 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from core.batch import pack_stream  # noqa: E402
-from core.contract import FeatureSample, FeatureSpec  # noqa: E402
-from core.target import TargetHead, TargetInfo  # noqa: E402
-from drafters import build_drafter, drafter_config  # noqa: E402
-from evaluation.served import evaluate_as_served  # noqa: E402
-from data.formats import load_rows  # noqa: E402
-from feature_server.hf_backend import HFBackend  # noqa: E402
-from launch.config import DataConfig, TargetConfig  # noqa: E402
-from launch.prepare import resolve_data, resolve_target  # noqa: E402
-from trainer.ablation import ablate  # noqa: E402
-from trainer.config import TrainerConfig  # noqa: E402
-from trainer.metrics import StepMetrics  # noqa: E402
-from trainer.optim import Optimizers  # noqa: E402
+from specdistill.core.batch import pack_stream  # noqa: E402
+from specdistill.core.contract import FeatureSample, FeatureSpec  # noqa: E402
+from specdistill.core.target import TargetHead, TargetInfo  # noqa: E402
+from specdistill.drafters import build_drafter, drafter_config  # noqa: E402
+from specdistill.evaluation.served import evaluate_as_served  # noqa: E402
+from specdistill.data.formats import load_rows  # noqa: E402
+from specdistill.feature_server.hf_backend import HFBackend  # noqa: E402
+from specdistill.launch.config import DataConfig, TargetConfig  # noqa: E402
+from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
+from specdistill.trainer.ablation import ablate  # noqa: E402
+from specdistill.trainer.config import TrainerConfig  # noqa: E402
+from specdistill.trainer.metrics import StepMetrics  # noqa: E402
+from specdistill.trainer.optim import Optimizers  # noqa: E402
 
 CORPUS = DataConfig(source="corpus", rows=8000, heldout_rows=128, prompt_tokens=320, prompt_min_tokens=96,
                     max_new_tokens=64)

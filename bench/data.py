@@ -3,7 +3,7 @@
 Builds mission-shaped datasets at two sizes and measures what a run pays for its data, in fresh processes as a
 trainer rank would:
   small  --small chat rows (JSONL: system prompt of catalogue snippets, ~5k-token prompts spread lognormal(0.3),
-         JSON responses; data/workload.py), tokenized for real by the token store (data/token_store.py)
+         JSON responses; specdistill/data/workload.py), tokenized for real by the token store (specdistill/data/token_store.py)
   large  --large pre-tokenized rows (Parquet input_ids / loss_mask: the small set's rows repeated, so lengths stay
          mission-shaped; tokenizing 1 B tokens of chat text would take ~an hour on 2 cores)
 For each: the first start (no store: tokenize or ingest, then select the rows for 32,768-token packs and plan the
@@ -37,7 +37,7 @@ PACK = 32768
 
 
 def write_chat_jsonl(path: Path, rows: int, prompt_tokens: int) -> None:
-    from data.workload import generate_rows
+    from specdistill.data.workload import generate_rows
 
     with path.open("w") as f:
         for start in range(0, rows, 2600):  # sessions of 26 calls; written in pieces to bound memory
@@ -50,7 +50,7 @@ def write_pretokenized_parquet(path: Path, store_dir: Path, rows: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from data.token_store import TokenStore
+    from specdistill.data.token_store import TokenStore
 
     store = TokenStore(store_dir)
     n = len(store)
@@ -74,11 +74,11 @@ def start_once(path: Path, tok_dir: Path, cache: Path, walk: bool) -> dict:
     code = f"""
 import json, time, numpy as np
 t0 = time.perf_counter()
-from data.config import DataConfig
-from data.selection import load_selected
-from data.packing import plan_packs, pack_fill
-from feature_server.ledger import shard_rows, SampleLedger
-from core.contract import FeatureSpec
+from specdistill.data.config import DataConfig
+from specdistill.data.selection import load_selected
+from specdistill.data.packing import plan_packs, pack_fill
+from specdistill.feature_server.ledger import shard_rows, SampleLedger
+from specdistill.core.contract import FeatureSpec
 rows, report, store = load_selected({str(path)!r}, {str(tok_dir)!r}, {str(cache)!r}, {PACK}, DataConfig(), progress=False)
 mine = shard_rows(rows, 0, 2)
 packs = plan_packs(mine.num_tokens, {PACK})
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=5000, help="median prompt length")
     ap.add_argument("--dir", help="work directory (default: a temporary one, removed after)")
     a = ap.parse_args()
-    from launch.tokenizer import save_tokenizer, workload_tokenizer
+    from specdistill.launch.tokenizer import save_tokenizer, workload_tokenizer
 
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         root = Path(tmp)
@@ -124,7 +124,7 @@ def main() -> None:
         print(f"wrote {small} ({small.stat().st_size / 2**20:.0f} MiB, {a.small} rows) in {time.perf_counter() - t0:.0f} s")
         first_small = start_once(small, tok_dir, cache, walk=False)
         restart_small = start_once(small, tok_dir, cache, walk=True)
-        from data.token_store import store_key
+        from specdistill.data.token_store import store_key
 
         t0 = time.perf_counter()
         write_pretokenized_parquet(large, cache / "tokens" / store_key(small, tok_dir, cache), a.large)

@@ -1,8 +1,8 @@
 """`make demo`: the real thing on the committed `small-real` target, sized for 2 CPU cores (~4.5 minutes warm).
 
-1. Trains EAGLE-3 anew (replacing outputs/demo) through the CLI (`python -m launch.train`, online: a feature
+1. Trains EAGLE-3 anew (replacing outputs/demo) through the CLI (`python -m specdistill.launch.train`, online: a feature
    worker prefills the target over the rows while the trainer trains) on 3,000 committed rows of real text continued greedily by small-real itself
-   (launch/assets/small-real-corpus/, tests/launch/test_demo_data.py checks they are its own continuations).
+   (specdistill/launch/assets/small-real-corpus/, tests/launch/test_demo_data.py checks they are its own continuations).
 2. Prints held-out tau and a_1 of the export against the model-free baselines on the same rows: a bigram table
    counted over the training rows and prompt-lookup n-grams; writes outputs/demo/demo.png, held-out tau against
    minutes of training with the baselines as lines.
@@ -33,14 +33,14 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from bench.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
 from bench.vllm_acceptance import identical_prefixes, served_vs_offline  # noqa: E402
-from core.run_dir import RunDir  # noqa: E402
-from data.formats import load_rows  # noqa: E402
-from trainer.validation import split_heldout, usable_heldout  # noqa: E402
+from specdistill.core.run_dir import RunDir  # noqa: E402
+from specdistill.data.formats import load_rows  # noqa: E402
+from specdistill.trainer.validation import split_heldout, usable_heldout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = Path("outputs/demo")
-TARGET = REPO / "launch/assets/small-real"
-DATA = REPO / "launch/assets/small-real-corpus"
+TARGET = REPO / "specdistill/launch/assets/small-real"
+DATA = REPO / "specdistill/launch/assets/small-real-corpus"
 TRAIN, HELDOUT = DATA / "train.parquet", DATA / "heldout.parquet"
 STEPS = 200
 # Twice the default learning rates: a 200-step run has no time for the defaults' pace (measured on these rows, 160
@@ -69,14 +69,14 @@ def train() -> dict:
     if (REPO / RUN_DIR).exists():  # every demo trains anew: a resumed finished run would print its old figures
         print(f"replacing the previous demo run in {RUN_DIR}", flush=True)
         shutil.rmtree(REPO / RUN_DIR)
-    cmd = [sys.executable, "-m", "launch.train", *overrides(sys.argv[1:])]
+    cmd = [sys.executable, "-m", "specdistill.launch.train", *overrides(sys.argv[1:])]
     print("+", " ".join(str(c) for c in cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads(RunDir(REPO / RUN_DIR).metrics.read_text())
 
 
 def heldout_halves(tokenizer, eval_rows: int) -> tuple[list, list]:
-    """The trainer's split of the held-out rows (trainer/validation.py): the curve walks the selection half,
+    """The trainer's split of the held-out rows (specdistill/trainer/validation.py): the curve walks the selection half,
     tau_offline the report half."""
     rows, _ = load_rows(HELDOUT, tokenizer, 1 << 20)
     rows = usable_heldout(rows, HELDOUT)[:eval_rows] if eval_rows else usable_heldout(rows, HELDOUT)

@@ -9,8 +9,8 @@ weights instead of the checkpoint's mtp.* tensors.
 
 One pack is the mission's: 32,768 tokens of six ~5.4k-token rows, each ending in a 45-token response (the only
 scored tokens). Every drafter runs with its production defaults (conf/drafter/*.yaml = the config dataclasses) and
-a step is the trainer's (trainer/trainer.py `_step`): the pack cast to fp32 on the device, bf16 autocast over fp32
-master weights, forward + loss + backward, gradient clip, Muon + AdamW step (trainer/optim.py), zero_grad.
+a step is the trainer's (specdistill/trainer/trainer.py `_step`): the pack cast to fp32 on the device, bf16 autocast over fp32
+master weights, forward + loss + backward, gradient clip, Muon + AdamW step (specdistill/trainer/optim.py), zero_grad.
 
 Per drafter (after `--warmup` steps, which include flex attention's compilation), the median over `--steps` steps:
   {name}_step_ms, {name}_tokens_per_s       pack tokens per second of one trainer GPU
@@ -43,12 +43,12 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from core.batch import PackedBatch  # noqa: E402
-from core.contract import TokenizedRow  # noqa: E402
-from core.target import TargetHead, TargetInfo  # noqa: E402
-from drafters import DRAFTERS, drafter_config  # noqa: E402
-from trainer.config import TrainerConfig  # noqa: E402
-from trainer.optim import Optimizers  # noqa: E402
+from specdistill.core.batch import PackedBatch  # noqa: E402
+from specdistill.core.contract import TokenizedRow  # noqa: E402
+from specdistill.core.target import TargetHead, TargetInfo  # noqa: E402
+from specdistill.drafters import DRAFTERS, drafter_config  # noqa: E402
+from specdistill.trainer.config import TrainerConfig  # noqa: E402
+from specdistill.trainer.optim import Optimizers  # noqa: E402
 
 # Qwen3.5-35B-A3B's text config (the fields the drafters read).
 PRODUCTION = dict(hidden_size=2048, num_hidden_layers=40, vocab_size=248320, num_attention_heads=16,
@@ -109,7 +109,7 @@ def build(name: str, info: TargetInfo, device):
     cfg = drafter_config(name, overrides)
     config_cls, cls = DRAFTERS[name]
     if name == "mtp":
-        with mock.patch("drafters.mtp.read_mtp_state", lambda path, state: state), device:
+        with mock.patch("specdistill.drafters.mtp.read_mtp_state", lambda path, state: state), device:
             drafter = cls(cfg, info)  # initialised on the device: 0.8B expert weights
     elif name == "eagle3":
         with device:

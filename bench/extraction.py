@@ -15,11 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from core.contract import FeatureSpec  # noqa: E402
-from feature_server.backends import build_backend  # noqa: E402
-from data.formats import load_rows  # noqa: E402
-from launch.config import DataConfig, TargetConfig  # noqa: E402
-from launch.prepare import resolve_data, resolve_target  # noqa: E402
+from specdistill.core.contract import FeatureSpec  # noqa: E402
+from specdistill.feature_server.backends import build_backend  # noqa: E402
+from specdistill.data.formats import load_rows  # noqa: E402
+from specdistill.launch.config import DataConfig, TargetConfig  # noqa: E402
+from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
 
 
 def tokens_per_s(name: str, target_dir: Path, spec: FeatureSpec, rows, batch: int) -> float:

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from core.contract import FeatureSpec  # noqa: E402
-from data.config import DataConfig  # noqa: E402
-from data.formats import load_rows  # noqa: E402
-from launch.config import TargetConfig  # noqa: E402
-from launch.prepare import resolve_data, resolve_target  # noqa: E402
+from specdistill.core.contract import FeatureSpec  # noqa: E402
+from specdistill.data.config import DataConfig  # noqa: E402
+from specdistill.data.formats import load_rows  # noqa: E402
+from specdistill.launch.config import TargetConfig  # noqa: E402
+from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from feature_server.vllm_backend import VLLMBackend
+    from specdistill.feature_server.vllm_backend import VLLMBackend
 
     cache = Path(a.cache_dir)
     target_dir = resolve_target(TargetConfig(name=a.target), cache)

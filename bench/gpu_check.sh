@@ -36,7 +36,7 @@ stage kernel_tests 120 "$PY" -m pytest -q tests/kernels -m "gpu or not gpu" -p n
 stage kernels_bench 150 "$PY" bench/kernels.py --device cuda --reps 5
 # layout=node (2 trainer + 6 worker GPUs) on one GPU must fail naming the device count.
 stage layout_error 30 "$PY" - <<'PY'
-from trainer.layout import plan_node, cuda_device_count
+from specdistill.trainer.layout import plan_node, cuda_device_count
 try:
     plan_node(2, 6, "cuda", "cuda", cuda_device_count())
     raise SystemExit("layout=node on one GPU did not fail")
@@ -52,10 +52,10 @@ if has vllm; then
     stage fp8_vllm_extraction 300 "$PY" - <<'PY'
 import tempfile
 from pathlib import Path
-from launch.targets import make_target
-from launch.make_fp8 import make_fp8
-from core.contract import FeatureSpec, TokenizedRow
-from feature_server.backends import build_backend
+from specdistill.launch.targets import make_target
+from specdistill.launch.make_fp8 import make_fp8
+from specdistill.core.contract import FeatureSpec, TokenizedRow
+from specdistill.feature_server.backends import build_backend
 with tempfile.TemporaryDirectory() as tmp:
     src = make_target("tiny-llama", Path(tmp) / "src", fit_steps=0)
     fp8 = make_fp8(src, Path(tmp) / "fp8", block=32)

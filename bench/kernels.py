@@ -51,7 +51,7 @@ def bench_moe(args, device):
     from transformers import Qwen3NextConfig
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
-    from kernels.moe import SparseMoeBlock
+    from specdistill.kernels.moe import SparseMoeBlock
 
     tokens = 1024 if args.quick else 4096
     cfg = Qwen3NextConfig(hidden_size=512, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
@@ -98,7 +98,7 @@ def bench_moe(args, device):
 # --- (b) response-only logits memory ------------------------------------------------------------------------
 def logits_worker(variant: str, T: int, V: int, D: int, device: torch.device) -> int:
     """Peak bytes above the state before the loss stage (inputs, lm_heads), fwd + bwd of KL(target || draft)."""
-    from kernels.logits import chunked_kl, kl_reference
+    from specdistill.kernels.logits import chunked_kl, kl_reference
 
     torch.manual_seed(0)
     hidden = torch.randn(T, D, device=device, requires_grad=True)
@@ -155,7 +155,7 @@ def workload_pack(T: int, generator: torch.Generator, response: int = 45):
 
 
 def bench_attention(args, device):
-    from kernels.attention import anchor_block_plan, packed_causal_plan
+    from specdistill.kernels.attention import anchor_block_plan, packed_causal_plan
 
     H, H_kv, d, B, W = 4, 2, 64, 8, 2048
     fast_impl = "flex" if device.type == "cuda" else "chunked"

@@ -31,7 +31,7 @@ from bench.vllm_serve import serve  # noqa: E402
 
 METHODS = ("base", "ngram", "suffix", "mtp", "eagle3", "dflash", "dflash2")
 NEEDS_DRAFTER_DIR = ("eagle3", "dflash", "dflash2")
-# Stages of data/workload.py whose responses are JSON objects (answer_writing is prose).
+# Stages of specdistill/data/workload.py whose responses are JSON objects (answer_writing is prose).
 JSON_STAGES = ("context_parsing", "preference_extraction", "search_queries", "filter_selection")
 # Two logits within 2^-7 relative (two bf16 ulps) are a near-tie bf16 kernels may order either way; fp32 is exact.
 NEAR_TIE_REL = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -9, "float32": 1e-5}
@@ -203,7 +203,7 @@ def table(results: list[MethodResult]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
-    ap.add_argument("--rows", required=True, help="JSONL rows with a stage (data/synthetic.py or data/workload.py)")
+    ap.add_argument("--rows", required=True, help="JSONL rows with a stage (specdistill/data/synthetic.py or specdistill/data/workload.py)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
     ap.add_argument("--drafter", action="append", default=[], help="METHOD=DIR (dflash, eagle3, dflash2, mtp)")
     ap.add_argument("--prompts", type=int, default=8)

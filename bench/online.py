@@ -1,14 +1,14 @@
 """Online pipeline benchmark (not a test): `python bench/online.py [--target small-real] [--steps 40]`.
 
 Trains the same drafter steps twice in this process, on the same rows in the same order:
-  online  `Trainer.train()` as `python -m launch.train` runs it: one feature server for the run (HF backend, its
+  online  `Trainer.train()` as `python -m specdistill.launch.train` runs it: one feature server for the run (HF backend, its
           own worker processes) streams epoch after epoch through shared memory, and the feed thread packs
-          `trainer.prefetch_steps` steps ahead of the training step (trainer/feed.py)
+          `trainer.prefetch_steps` steps ahead of the training step (specdistill/trainer/feed.py)
   cached  the same packs extracted beforehand and held in memory: the training step alone
 The drafter is DFlash with 2 layers on small-real, whose step (~2 s on 2 cores) is slower than the prefill of its
 pack (~0.5 s): feature capacity >= demand, the case where the trainer must never wait. Rows are few enough that
 the run spans several epochs, so the engine-load count covers epoch boundaries.
-On CPU the trainer and the worker share the cores (trainer/layout.py cpu_threads, OpenMP's passive wait), and the
+On CPU the trainer and the worker share the cores (specdistill/trainer/layout.py cpu_threads, OpenMP's passive wait), and the
 cached run uses as many trainer threads, so the ratio measures the pipeline.
 Last lines:
   trainer_wait_fraction: F    online, time the training loop waited for features / (that + its step time)
@@ -24,19 +24,19 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as launch/train.py, before torch loads OpenMP
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as specdistill/launch/train.py, before torch loads OpenMP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from core.batch import pack_stream  # noqa: E402
-from drafters import DRAFTERS  # noqa: E402
-from feature_server.config import FeatureServerConfig  # noqa: E402
-from launch.config import DataConfig, TargetConfig  # noqa: E402
-from launch.prepare import resolve_data, resolve_target  # noqa: E402
-from trainer.checkpoint import TrainState  # noqa: E402
-from trainer.config import TrainerConfig  # noqa: E402
-from trainer.trainer import Trainer  # noqa: E402
+from specdistill.core.batch import pack_stream  # noqa: E402
+from specdistill.drafters import DRAFTERS  # noqa: E402
+from specdistill.feature_server.config import FeatureServerConfig  # noqa: E402
+from specdistill.launch.config import DataConfig, TargetConfig  # noqa: E402
+from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
+from specdistill.trainer.checkpoint import TrainState  # noqa: E402
+from specdistill.trainer.config import TrainerConfig  # noqa: E402
+from specdistill.trainer.trainer import Trainer  # noqa: E402
 
 
 def build_trainer(args, run_dir: Path) -> Trainer:

@@ -3,9 +3,9 @@
     python bench/quality.py [--quick] [--drafters dflash,dflash2,dspark,eagle3] [--steps N] [--set KEY=VALUE ...]
                            [--out outputs/quality]
 
-For each drafter, on `target=small-real` (launch/small_real.py) with `data=corpus` (self-distilled rows: real text
+For each drafter, on `target=small-real` (specdistill/launch/small_real.py) with `data=corpus` (self-distilled rows: real text
 prompts, the target's greedy continuations), it runs the main job twice through the CLI, as a user would:
-  real      `python -m launch.train drafter=NAME target=small-real data=corpus` with the defaults, bounded by steps
+  real      `python -m specdistill.launch.train drafter=NAME target=small-real data=corpus` with the defaults, bounded by steps
   ablation  the same with `trainer.feature_ablation=zero` (the drafter's target states replaced by zeros), for 40%
             of the steps, compared with the real run's held-out point at that step
 and reads each run's metrics.json: held-out tau and a_k (the exported weights, walked on the held-out rows as vLLM
@@ -27,7 +27,7 @@ a different one stops the bench, naming the keys that differ; a reused run print
 --warm-start B: per drafter, also a B-step run whose export starts a second run of the real run's steps
 (`drafter.init_from`, same seed and rows): prints both held-out curves against minutes of training steps (the warm
 run's step 0 is the B-step run's export) and draws the warm curve in the PNG; `warm_start` in quality.json.
---data committed: train on the demo's committed rows (launch/assets/small-real-corpus: 3,000 + 64 rows of the same
+--data committed: train on the demo's committed rows (specdistill/launch/assets/small-real-corpus: 3,000 + 64 rows of the same
 generation as data=corpus, minutes instead of generating 8,000 rows first).
 --mtp: also MTP, which needs a target with an MTP head: small-real (a Llama) has none, so it runs on
 tiny-qwen3-next (templated data) and compares the fine-tuned layer with the one the target ships (its curve's step
@@ -48,11 +48,11 @@ sys.path.insert(0, str(REPO))
 from transformers import AutoTokenizer  # noqa: E402
 
 from bench.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
-from core.run_dir import RunDir  # noqa: E402
-from data.formats import load_rows  # noqa: E402
-from launch.config import DataConfig, TargetConfig  # noqa: E402
-from launch.prepare import resolve_data, resolve_target  # noqa: E402
-from trainer.run_info import config_differences  # noqa: E402
+from specdistill.core.run_dir import RunDir  # noqa: E402
+from specdistill.data.formats import load_rows  # noqa: E402
+from specdistill.launch.config import DataConfig, TargetConfig  # noqa: E402
+from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
+from specdistill.trainer.run_info import config_differences  # noqa: E402
 
 # --data committed: the demo's rows (data=corpus output; tests/launch/test_demo_data.py checks them)
 from bench.demo import HELDOUT as COMMITTED_HELDOUT, TRAIN as COMMITTED_TRAIN  # noqa: E402
@@ -129,12 +129,12 @@ def warm_start_lines(name: str, base: dict, scratch: dict, warm: dict) -> list[s
 
 
 def composed_config(overrides: list[str]) -> dict:
-    """The resolved config `python -m launch.train OVERRIDES` runs with (Hydra's compose; nothing runs), as
+    """The resolved config `python -m specdistill.launch.train OVERRIDES` runs with (Hydra's compose; nothing runs), as
     run_info.json records it."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from launch.config import register_configs
+    from specdistill.launch.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -144,7 +144,7 @@ def composed_config(overrides: list[str]) -> dict:
 
 def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str], target: str = "small-real",
           data: list[str] | None = None, committed: bool = False) -> dict:
-    """One `python -m launch.train` run (resumed if run_dir already has checkpoints); its metrics.json.
+    """One `python -m specdistill.launch.train` run (resumed if run_dir already has checkpoints); its metrics.json.
     data: the data overrides (default: the corpus rows of data_overrides). A finished run in run_dir is reused
     only when its resolved config (run_info.json) is the one asked for; otherwise this refuses, naming the keys
     that differ, rather than reprint another run's figures as this one's."""
@@ -160,7 +160,7 @@ def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str]
                              "away, or pick another --out, to run this one")
         print(f"reusing {run_dir} (same config; ran at git {ran.get('git_sha')})", flush=True)
         return json.loads(run.metrics.read_text())
-    cmd = [sys.executable, "-m", "launch.train", *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "specdistill.launch.train", *overrides, f"hydra.run.dir={run_dir}"]
     print("+", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=REPO)
     return json.loads(run.metrics.read_text())

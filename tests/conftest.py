@@ -3,7 +3,7 @@ test module leaves a process running."""
 
 import os
 
-# As launch/train.py does, before torch loads OpenMP: this process and everything it starts wait passively at
+# As specdistill/launch/train.py does, before torch loads OpenMP: this process and everything it starts wait passively at
 # OpenMP barriers, so tests' trainers, workers and engines sharing 2 cores do not spin against each other.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -61,8 +61,8 @@ def one_torch_thread():
     """Every in-process computation of the suite is tiny (random 64-256-wide targets, drafters, references): two
     intra-op threads gain nothing on it, and on a 2-core machine shared with other jobs they wait on each other.
     Measured on such a machine: the EAGLE-3, DFlash 2 and DSpark learning tests took 93, 104 and 89 s with two
-    threads, 0.7-0.9 s with one. Processes the tests start set their own threads (launch.train, feature workers,
-    vLLM engines, launch/targets.py's fit, launch/small_real.py's replay)."""
+    threads, 0.7-0.9 s with one. Processes the tests start set their own threads (specdistill.launch.train, feature workers,
+    vLLM engines, specdistill/launch/targets.py's fit, specdistill/launch/small_real.py's replay)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -108,7 +108,7 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One cache per test run: each tiny target and workload is built once, shared by all tests and, under
-    pytest-xdist, by all workers (their base temp dirs share a parent; core/build_lock.py makes the second
+    pytest-xdist, by all workers (their base temp dirs share a parent; specdistill/core/build_lock.py makes the second
     worker wait for the first's build instead of fitting the same target again)."""
     if not _WORKER:
         return tmp_path_factory.mktemp("specdistill-cache")
@@ -120,7 +120,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_target(cache_dir):
     """tiny_target(name) -> checkpoint dir of a named tiny target, built on first use."""
-    from launch.targets import ensure_target
+    from specdistill.launch.targets import ensure_target
 
     def build(name: str):
         return ensure_target(name, cache_dir / "targets")

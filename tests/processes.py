@@ -1,7 +1,7 @@
 """Running a CLI command from a test with a deadline that explains a hang instead of hiding it.
 
 pytest-timeout stops the test but kills only the direct child and loses its captured output. Here, at the deadline
-(set below pytest's), every process of the command's tree gets SIGUSR1 first: launch.train's ranks and the
+(set below pytest's), every process of the command's tree gets SIGUSR1 first: specdistill.launch.train's ranks and the
 feature workers register faulthandler on it, so each prints every thread's stack into the captured output. Then
 the tree is stopped and the test fails with the output's tail.
 """
@@ -64,7 +64,7 @@ def _signal_all(procs, sig) -> None:
 def _stop(proc: subprocess.Popen, tree) -> None:
     import psutil
 
-    proc.terminate()  # launch.train passes SIGTERM on to its ranks, which stop their workers
+    proc.terminate()  # specdistill.launch.train passes SIGTERM on to its ranks, which stop their workers
     _, alive = psutil.wait_procs(tree, timeout=30)
     _signal_all(alive, signal.SIGKILL)
     proc.wait()

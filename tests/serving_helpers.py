@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.prompts import read_prompts
 from bench.vllm_acceptance import served_vs_offline
 from bench.vllm_serve import ServeResult, serve
-from core.run_dir import RunDir
+from specdistill.core.run_dir import RunDir
 
 MAX_TOKENS, PROMPTS = 24, 6
 
@@ -97,7 +97,7 @@ def workload_prompts(target_dir, n: int) -> tuple[list[list[int]], list[str]]:
     generation needed, for serving tests that only send prompts."""
     from transformers import AutoTokenizer
 
-    from data.workload import generate_rows
+    from specdistill.data.workload import generate_rows
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     rows = generate_rows(n, split="heldout", prompt_tokens=120,

@@ -14,15 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.batch import pack
-from core.target import TargetHead, TargetInfo
-from feature_server.config import FeatureServerConfig
-from launch.config import DataConfig
-from launch.prepare import resolve_data
-from drafters import DRAFTERS
-from trainer.checkpoint import TrainState, load_checkpoint
-from trainer.config import TrainerConfig
-from trainer.trainer import Trainer
+from specdistill.core.batch import pack
+from specdistill.core.target import TargetHead, TargetInfo
+from specdistill.feature_server.config import FeatureServerConfig
+from specdistill.launch.config import DataConfig
+from specdistill.launch.prepare import resolve_data
+from specdistill.drafters import DRAFTERS
+from specdistill.trainer.checkpoint import TrainState, load_checkpoint
+from specdistill.trainer.config import TrainerConfig
+from specdistill.trainer.trainer import Trainer
 
 
 def _copy(src, dst):
@@ -102,7 +102,7 @@ def test_rows_longer_than_a_pack_are_cut_or_stop_the_run_before_training(tiny_ta
     """~70-token rows, 48-token packs: truncate=left keeps every row, cut on the left with its response whole;
     truncate=skip would skip them all, which stops the run before training, naming the count, the longest row and
     the settings to change."""
-    from data.config import DataConfig as LoadSettings
+    from specdistill.data.config import DataConfig as LoadSettings
 
     target = tiny_target("tiny-llama")
     train, heldout = resolve_data(DataConfig(rows=6, heldout_rows=2, prompt_tokens=60, max_new_tokens=8), target,

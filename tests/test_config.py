@@ -4,7 +4,7 @@ import pytest
 from hydra import compose, initialize
 from omegaconf import OmegaConf
 
-from launch.config import register_configs
+from specdistill.launch.config import register_configs
 
 register_configs()
 

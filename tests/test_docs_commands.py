@@ -1,6 +1,6 @@
 """Docs name only what exists: every `python -m MODULE` / `python SCRIPT.py` command quoted in README.md and docs/
-names a real module or script, its `--flags` are the script's own, and every `key=value` it gives launch.train,
-launch.ray_job or launch.regenerate is a real config group option or key."""
+names a real module or script, its `--flags` are the script's own, and every `key=value` it gives specdistill.launch.train,
+specdistill.launch.ray_job or specdistill.launch.regenerate is a real config group option or key."""
 
 import importlib.util
 import re
@@ -13,7 +13,7 @@ from tests.cli import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COMMAND = re.compile(r"python3? (?P<target>-m [\w.]+|[\w/]+\.py)(?P<args>[^`|]*)")
-HYDRA_ENTRY_POINTS = ("launch.train", "launch.ray_job")
+HYDRA_ENTRY_POINTS = ("specdistill.launch.train", "specdistill.launch.ray_job")
 
 
 def quoted_commands() -> list[tuple[str, str, list[str]]]:
@@ -54,7 +54,7 @@ def _hydra_problems(args: list[str]) -> list[str]:
     """Group options that have no conf file, dotted keys the composed config lacks."""
     from hydra import compose, initialize_config_dir
 
-    from launch.config import register_configs
+    from specdistill.launch.config import register_configs
 
     problems, groups, keys = [], [], []
     for arg in args:
@@ -88,20 +88,20 @@ def test_a_quoted_command_names_what_exists(where, target, args):
     module = target[3:] if target.startswith("-m ") else None
     if module in HYDRA_ENTRY_POINTS:
         problems += _hydra_problems(args)
-    elif module == "launch.regenerate":
+    elif module == "specdistill.launch.regenerate":
         from dataclasses import fields
 
-        from launch.regenerate import RegenerateConfig
+        from specdistill.launch.regenerate import RegenerateConfig
 
         names = {f.name for f in fields(RegenerateConfig)}
-        problems += [f"{a}: not a launch.regenerate setting" for a in args
+        problems += [f"{a}: not a specdistill.launch.regenerate setting" for a in args
                      if "=" in a and a.split("=")[0].split(".")[0] not in names]
     assert not problems, f"{where}: {problems}"
 
 
 def test_the_docs_quote_the_main_commands():
     targets = {t for _, t, _ in COMMANDS}
-    assert {"-m launch.train", "-m launch.regenerate", "bench/data.py", "bench/quality.py"} <= targets
+    assert {"-m specdistill.launch.train", "-m specdistill.launch.regenerate", "bench/data.py", "bench/quality.py"} <= targets
 
 
 OVERRIDE = re.compile(r"`((?:data|drafter|feature_server|logger|trainer|target)(?:\.\w+)+)=[^` ]*`")
@@ -111,7 +111,7 @@ def test_every_override_quoted_in_the_docs_is_a_config_key():
     """`group.key=value` spans in prose name real keys (drafter keys: of some drafter's schema)."""
     from dataclasses import fields
 
-    from drafters import DRAFTERS
+    from specdistill.drafters import DRAFTERS
 
     quoted = {m.group(1) for doc in DOCS for m in OVERRIDE.finditer(doc.read_text())}
     assert "trainer.muon_scope" in quoted  # the pattern sees the docs' overrides

@@ -1,6 +1,6 @@
 """The whole chain through the CLI contract: target -> workload -> features -> training -> export/metrics.
 
-Runs `python -m launch.train` as users do, then re-runs it with the same hydra.run.dir to check resume.
+Runs `python -m specdistill.launch.train` as users do, then re-runs it with the same hydra.run.dir to check resume.
 """
 
 import glob
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.run_dir import RunDir
+from specdistill.core.run_dir import RunDir
 from tests.cli import REPO, SMALL, run_bounded, run_train
 
 
@@ -41,7 +41,7 @@ def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
     assert len(first["per_position_acceptance"]) == 7
     # tau is 1 + the accepted tokens per step. The export is the best point of a curve that starts at the untrained
     # drafter (step 0), chosen on the selection half of the held-out rows (re-walked there: the same tau); tau_offline
-    # walks it on the other half, which the choice never saw (trainer/validation.py).
+    # walks it on the other half, which the choice never saw (specdistill/trainer/validation.py).
     assert first["tau_offline"] == pytest.approx(1 + sum(first["per_position_acceptance"]))
     curve = first["heldout_curve"]
     assert [p["step"] for p in curve] == [0, 1, 2, 3] and first["export_selected"]["policy"] == "best"
@@ -66,7 +66,7 @@ def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
     assert _run_files(run_dir) == [] and _orphaned_semaphores(semaphores_before) == set()
     if target == "tiny-llama":  # a run directory past the asked steps is refused, not exported as a shorter run
         env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir)}
-        third = run_bounded([sys.executable, "-m", "launch.train", *args, "trainer.max_steps=4"], cwd=REPO, env=env)
+        third = run_bounded([sys.executable, "-m", "specdistill.launch.train", *args, "trainer.max_steps=4"], cwd=REPO, env=env)
         assert third.returncode != 0
         assert "already trained to step 5, past trainer.max_steps=4" in third.stderr + third.stdout
         assert json.loads(run.metrics.read_text())["steps"] == 5  # the finished run's record is untouched
@@ -82,7 +82,7 @@ def test_run_survives_a_killed_feature_worker_with_nothing_lost_or_twice(tmp_pat
     run_dir = tmp_path / "kill"
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     args = [a for a in SMALL if not a.startswith(("data.rows", "trainer.token_budget"))]
-    cmd = [sys.executable, "-m", "launch.train", "target=tiny-llama", *args, "data.rows=24", "trainer.token_budget=256",
+    cmd = [sys.executable, "-m", "specdistill.launch.train", "target=tiny-llama", *args, "data.rows=24", "trainer.token_budget=256",
            "trainer.max_steps=30", "trainer.checkpoint_every=100", "feature_server.workers=2",
            f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -171,7 +171,7 @@ def test_no_shared_memory_left_after_a_kill_9_and_resume(tmp_path, cache_dir, ti
     args = [a for a in SMALL if not a.startswith("trainer.token_budget")]
     args = ["target=tiny-llama", *args, "trainer.token_budget=256", "feature_server.workers=2",
             f"hydra.run.dir={run_dir}"]
-    cmd = [sys.executable, "-m", "launch.train", *args, "trainer.max_steps=200"]
+    cmd = [sys.executable, "-m", "specdistill.launch.train", *args, "trainer.max_steps=200"]
     # Its own process group, killed whole (multiprocessing's resource tracker too, which would otherwise unlink
     # leaked semaphores once the trainer is gone): as a scheduler or an OOM killer ends a job.
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -235,7 +235,7 @@ def test_resume_after_kill_9_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     run_train([*args, f"hydra.run.dir={straight}"], cache_dir)
 
     resumed = tmp_path / "resumed"
-    cmd = [sys.executable, "-m", "launch.train", *args, f"hydra.run.dir={resumed}"]
+    cmd = [sys.executable, "-m", "specdistill.launch.train", *args, f"hydra.run.dir={resumed}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 600
@@ -254,7 +254,7 @@ def test_resume_after_kill_9_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     m_a, m_b = (json.loads(RunDir(d).metrics.read_text()) for d in (straight, resumed))
     assert m_a["final_loss"] == m_b["final_loss"] and m_a["train_tokens"] == m_b["train_tokens"]
     assert m_b["epochs_completed"] == m_a["epochs_completed"] and m_b["samples_lost"] == m_b["samples_duplicated"] == 0
-    # Run files are private to the user (launch.train sets umask 077).
+    # Run files are private to the user (specdistill.launch.train sets umask 077).
     run = RunDir(resumed)
     for path in [run.metrics, run.export / "model.safetensors", *run.checkpoint_files()]:
         assert path.stat().st_mode & 0o777 == 0o600, path
@@ -268,7 +268,7 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
     order differs (gloo's all-reduce / reduce-scatter vs accumulation). Tolerance: 1e-4 relative for DDP (seen:
     bit-identical at this size), 1e-3 for FSDP (seen: 8.2e-5). An FSDP run stopped at step 2 and resumed ends
     bit-identical to the uninterrupted one: gathered weights and optimizer states, and each rank's data position
-    and RNG. The DDP run is plain `python -m launch.train trainer.ranks=2`: it starts the ranks itself with torchrun's
+    and RNG. The DDP run is plain `python -m specdistill.launch.train trainer.ranks=2`: it starts the ranks itself with torchrun's
     environment, each rank streams its own shard from its own worker, rank 0 writes the run directory, and while it
     runs no process of the run listens off loopback (torchrun's own store would listen on every interface)."""
     from tests.listeners import SampledRun, off_loopback_listeners
@@ -281,7 +281,7 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
     one, two, fsdp, resumed = (tmp_path / name for name in ("one", "two", "fsdp", "resumed"))
     run_train([*args, "trainer.grad_accum=2", f"hydra.run.dir={one}"], cache_dir)
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir)}
-    cmd = [sys.executable, "-m", "launch.train", *args, *two_ranks, f"hydra.run.dir={two}"]
+    cmd = [sys.executable, "-m", "specdistill.launch.train", *args, *two_ranks, f"hydra.run.dir={two}"]
     ddp = SampledRun(cmd, cwd=REPO, env=env, sample=lambda proc: off_loopback_listeners(roots=(proc.pid,)),
                      deadline_s=600, every_s=0.5)
     code, out = ddp.finish()

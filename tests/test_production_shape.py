@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from core.run_dir import RunDir
+from specdistill.core.run_dir import RunDir
 from tests.cli import run_train
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

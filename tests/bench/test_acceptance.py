@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bench.acceptance import main
-from core.run_dir import RunDir
-from core.target import TargetInfo
-from drafters.dflash import DFlashConfig, DFlashDrafter
+from specdistill.core.run_dir import RunDir
+from specdistill.core.target import TargetInfo
+from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter
 
 pytestmark = pytest.mark.slow  # builds the tiny llama (shared with the session)
 

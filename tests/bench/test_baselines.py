@@ -1,7 +1,7 @@
 """Model-free drafters (bench/baselines.py): the floor a trained drafter is compared against."""
 
 from bench.baselines import BigramTable, PromptLookup, acceptance
-from core.contract import TokenizedRow
+from specdistill.core.contract import TokenizedRow
 
 
 def test_bigram_table_chains_the_most_frequent_next_response_token():

@@ -35,7 +35,7 @@ def test_a_finished_run_is_reused_only_for_the_config_it_ran(tmp_path):
     import pytest
 
     from bench.quality import composed_config, train
-    from core.run_dir import RunDir
+    from specdistill.core.run_dir import RunDir
 
     run = RunDir(tmp_path / "dflash")
     run.path.mkdir(parents=True)

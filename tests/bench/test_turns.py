@@ -9,7 +9,7 @@ import pytest
 
 from bench.turn_format import Call, Turn, read_turns, split_messages, turns_from_rows, write_turns
 from bench.turns import Config, rank, replay_turn, run_users, table
-from data.workload import STAGE_CALLS
+from specdistill.data.workload import STAGE_CALLS
 
 
 def fake_rows(messages=2, truncate_last=0, response=6):

@@ -70,8 +70,8 @@ def repetitive_prompts(vocab_size: int, n: int = 6) -> list[list[int]]:
 
 
 def build_random_target(name: str, tmp_path_factory) -> str:
-    """launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
-    from launch.targets import make_target
+    """specdistill.launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
+    from specdistill.launch.targets import make_target
 
     return str(make_target(name, tmp_path_factory.mktemp(name), fit_steps=0))
 

@@ -1,7 +1,7 @@
 import torch
 
-from core.batch import pack_stream
-from core.contract import FeatureSample
+from specdistill.core.batch import pack_stream
+from specdistill.core.contract import FeatureSample
 
 
 def sample(row_id, n, L=2, D=4):

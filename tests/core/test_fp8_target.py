@@ -8,11 +8,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from core.contract import FeatureSpec, TokenizedRow
-from core.fp8 import dequantize_blockwise, quantize_blockwise
-from core.target import TargetHead, TargetInfo
-from feature_server.hf_backend import HFBackend
-from launch.make_fp8 import make_fp8
+from specdistill.core.contract import FeatureSpec, TokenizedRow
+from specdistill.core.fp8 import dequantize_blockwise, quantize_blockwise
+from specdistill.core.target import TargetHead, TargetInfo
+from specdistill.feature_server.hf_backend import HFBackend
+from specdistill.launch.make_fp8 import make_fp8
 
 BLOCK = 32
 

@@ -1,6 +1,6 @@
 """The run directory's file names are the CLI contract (README.md "The main job"): stated once, in RunDir."""
 
-from core.run_dir import RunDir
+from specdistill.core.run_dir import RunDir
 
 
 def test_names_are_the_documented_ones(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core.target import TargetHead, TargetInfo
+from specdistill.core.target import TargetHead, TargetInfo
 
 
 @pytest.mark.slow

@@ -3,10 +3,10 @@
 import numpy as np
 import torch
 
-from core.batch import PackAssembler, pack
-from core.contract import FeatureSample, TokenizedRow
-from core.rows import ListRows
-from data.packing import pack_fill, plan_packs
+from specdistill.core.batch import PackAssembler, pack
+from specdistill.core.contract import FeatureSample, TokenizedRow
+from specdistill.core.rows import ListRows
+from specdistill.data.packing import pack_fill, plan_packs
 
 
 def test_every_row_in_one_pack_no_pack_over_budget_and_a_long_row_alone():

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from data.selection import check_skipped, select_rows
-from data.token_store import open_store
-from launch.tokenizer import save_tokenizer, workload_tokenizer
+from specdistill.data.selection import check_skipped, select_rows
+from specdistill.data.token_store import open_store
+from specdistill.launch.tokenizer import save_tokenizer, workload_tokenizer
 
 
 @pytest.fixture(scope="module")

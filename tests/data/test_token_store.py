@@ -7,11 +7,11 @@ import shutil
 import numpy as np
 import pytest
 
-import data.formats as formats
-import data.token_store as token_store
-from data.formats import DatasetError, load_rows
-from data.token_store import open_store
-from launch.tokenizer import as_hf, save_tokenizer, workload_tokenizer
+import specdistill.data.formats as formats
+import specdistill.data.token_store as token_store
+from specdistill.data.formats import DatasetError, load_rows
+from specdistill.data.token_store import open_store
+from specdistill.launch.tokenizer import as_hf, save_tokenizer, workload_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 import torch
 
-from core.batch import PackedBatch
-from core.target import TargetInfo
+from specdistill.core.batch import PackedBatch
+from specdistill.core.target import TargetInfo
 
 
 def make_batch(info: TargetInfo, layer_ids, lengths=(20, 14), prompt=(8, 6), seed=0) -> PackedBatch:

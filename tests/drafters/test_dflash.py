@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from bench.speculators_reference import all_anchors, load_reference
-from core.target import TargetHead, TargetInfo
-from drafters.dflash import DFlashConfig, DFlashDrafter, dpace_weights, spread_layer_ids
-from kernels.attention import anchor_block_mask
+from specdistill.core.target import TargetHead, TargetInfo
+from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter, dpace_weights, spread_layer_ids
+from specdistill.kernels.attention import anchor_block_mask
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
 from tests.drafters.parity import assert_same_loss_and_gradients, block_reference_inputs
@@ -136,7 +136,7 @@ def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path, loss, we
 
 
 def test_mask_token_is_chosen_when_the_configured_one_is_missing():
-    from drafters.base import choose_mask_token
+    from specdistill.drafters.base import choose_mask_token
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

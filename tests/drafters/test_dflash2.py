@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bench.speculators_reference import all_anchors, load_reference
-from core.target import TargetHead, TargetInfo
-from drafters.dflash import DFlashDrafter
-from drafters.dflash2 import (DFlash2Config, DFlash2Drafter, GroupedDynamicCausalConv, chunked_topk,
+from specdistill.core.target import TargetHead, TargetInfo
+from specdistill.drafters.dflash import DFlashDrafter
+from specdistill.drafters.dflash2 import (DFlash2Config, DFlash2Drafter, GroupedDynamicCausalConv, chunked_topk,
                               grouped_dynamic_conv, selector_training_candidates)
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from bench.speculators_reference import all_anchors, load_reference
-from core.target import TargetHead, TargetInfo
-from drafters.dspark import DSparkConfig, DSparkDrafter
+from specdistill.core.target import TargetHead, TargetInfo
+from specdistill.drafters.dspark import DSparkConfig, DSparkDrafter
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
 from tests.drafters.parity import assert_same_loss_and_gradients, block_reference_inputs

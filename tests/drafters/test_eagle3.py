@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from bench.speculators_reference import load_reference
-from core.batch import PackedBatch
-from core.contract import TokenizedRow
-from core.run_dir import RunDir
-from core.target import TargetHead, TargetInfo
-from drafters.eagle3 import (Eagle3Config, Eagle3Drafter, build_draft_vocab, default_layer_ids,
+from specdistill.core.batch import PackedBatch
+from specdistill.core.contract import TokenizedRow
+from specdistill.core.run_dir import RunDir
+from specdistill.core.target import TargetHead, TargetInfo
+from specdistill.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, build_draft_vocab, default_layer_ids,
                              speculators_loss_mask)
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
@@ -176,8 +176,8 @@ def test_target_side_computed_once_per_position_equals_recomputing_it_per_chain_
     """ChainTargets keeps the target's draft-vocab logits per scored position; over TARGET_LOGITS_BUDGET it hands
     chunked_loss the states to recompute them per chain step (the earlier path). Same loss, gradients and metrics;
     and the kept logits are computed for each distinct position once."""
-    import drafters.eagle3 as eagle3
-    from kernels.logits import chunked as chunked_module
+    import specdistill.drafters.eagle3 as eagle3
+    from specdistill.kernels.logits import chunked as chunked_module
 
     info = TargetInfo.load(tiny_llama_dir)
     head = TargetHead(info)
@@ -215,7 +215,7 @@ def test_target_side_computed_once_per_position_equals_recomputing_it_per_chain_
 
 
 # --- served by vLLM --------------------------------------------------------------------------------------------
-# The offline walk (evaluation.acceptance) replays vLLM's greedy decode path on the target's true states of vLLM's own
+# The offline walk (specdistill.evaluation.acceptance) replays vLLM's greedy decode path on the target's true states of vLLM's own
 # base outputs, so its counters must equal vLLM's: exactly on fp32 tiny-llama, closely on bf16 tiny-qwen3-next.
 # draft_vocab_size below the number of distinct response tokens: the served export really maps through d2t.
 TRAIN = ["drafter=eagle3", "drafter.draft_vocab_size=512", "data.rows=48", "data.heldout_rows=8",

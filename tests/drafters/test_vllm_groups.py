@@ -1,11 +1,11 @@
-"""vLLM 0.32's KV-cache grouping rule (drafters/vllm_groups.py) and the DFlash layers chosen from it."""
+"""vLLM 0.32's KV-cache grouping rule (specdistill/drafters/vllm_groups.py) and the DFlash layers chosen from it."""
 
 import pytest
 
-from core.target import TargetInfo
-from drafters.dflash import DFlashConfig, served_layers
-from drafters.layers import LayerShape
-from drafters.vllm_groups import (LINEAR, attention_spec, drafter_in_one_group, max_layers_in_one_group,
+from specdistill.core.target import TargetInfo
+from specdistill.drafters.dflash import DFlashConfig, served_layers
+from specdistill.drafters.layers import LayerShape
+from specdistill.drafters.vllm_groups import (LINEAR, attention_spec, drafter_in_one_group, max_layers_in_one_group,
                                   target_specs)
 
 FULL = attention_spec("full", 2, 32)

@@ -1,6 +1,6 @@
 """The offline decode-path walk: the same counters a greedy speculative engine reports."""
 
-from evaluation.acceptance import AcceptanceCounts, walk
+from specdistill.evaluation.acceptance import AcceptanceCounts, walk
 
 
 def test_walk_follows_anchor_plus_accepted_plus_one():
@@ -43,9 +43,9 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from core.batch import PackedBatch  # noqa: E402
-from core.contract import FeatureSample  # noqa: E402
-from evaluation.acceptance import (  # noqa: E402
+from specdistill.core.batch import PackedBatch  # noqa: E402
+from specdistill.core.contract import FeatureSample  # noqa: E402
+from specdistill.evaluation.acceptance import (  # noqa: E402
     NO_STAGE, evaluate, evaluate_report, sampled_walk, stages_by_row_id, verify_lossless)
 
 
@@ -117,11 +117,11 @@ def test_sampled_walk_acceptance_falls_as_the_target_flattens():
 
 # --- drafters' draft distribution and the per-stage report ---------------------------------------------------
 def _drafters(tiny_llama_dir):
-    from drafters.dflash import DFlashConfig, DFlashDrafter
-    from drafters.dflash2 import DFlash2Config, DFlash2Drafter
-    from drafters.dspark import DSparkConfig, DSparkDrafter
-    from drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from core.target import TargetInfo
+    from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter
+    from specdistill.drafters.dflash2 import DFlash2Config, DFlash2Drafter
+    from specdistill.drafters.dspark import DSparkConfig, DSparkDrafter
+    from specdistill.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from specdistill.core.target import TargetInfo
 
     info = TargetInfo.load(tiny_llama_dir)
     small = dict(num_layers=1, target_layer_ids=[1, 2, 3], sliding_window=None, block_size=4)
@@ -149,7 +149,7 @@ def test_draft_distribution_argmax_is_the_greedy_draft_when_the_row_follows_it(t
     torch.manual_seed(0)
     info, drafters = _drafters(tiny_llama_dir)
     drafter = drafters[name].eval()
-    from core.target import TargetHead
+    from specdistill.core.target import TargetHead
 
     head = TargetHead(info)
     batch = _batch(info, drafter.feature_spec().layer_ids)
@@ -167,12 +167,12 @@ def test_draft_distribution_argmax_is_the_greedy_draft_when_the_row_follows_it(t
 def test_sampled_drafting_walks_every_anchor_to_the_row_end(tiny_llama_dir, tmp_path, name):
     """draft_mode=sample asks each drafter for its distribution at every anchor of the response, the last ones
     included (anchor + K runs past the row): no drafter may index past the row, and every anchor is walked."""
-    from core.target import TargetHead, TargetInfo
-    from evaluation.acceptance import AcceptanceCounts, evaluate_sample
+    from specdistill.core.target import TargetHead, TargetInfo
+    from specdistill.evaluation.acceptance import AcceptanceCounts, evaluate_sample
 
     if name == "mtp":
-        from drafters.mtp import MTPConfig, MTPDrafter
-        from launch.targets import make_target
+        from specdistill.drafters.mtp import MTPConfig, MTPDrafter
+        from specdistill.launch.targets import make_target
 
         info = TargetInfo.load(make_target("tiny-qwen3-next", tmp_path / "t", fit_steps=0))
         drafter = MTPDrafter(MTPConfig(num_speculative_tokens=3), info)
@@ -188,9 +188,9 @@ def test_sampled_drafting_walks_every_anchor_to_the_row_end(tiny_llama_dir, tmp_
 
 
 def test_draft_distribution_of_mtp(tmp_path):
-    from drafters.mtp import MTPConfig, MTPDrafter
-    from launch.targets import make_target
-    from core.target import TargetHead, TargetInfo
+    from specdistill.drafters.mtp import MTPConfig, MTPDrafter
+    from specdistill.launch.targets import make_target
+    from specdistill.core.target import TargetHead, TargetInfo
 
     info = TargetInfo.load(make_target("tiny-qwen3-next", tmp_path / "t", fit_steps=0))
     head = TargetHead(info)
@@ -222,7 +222,7 @@ def _make_rows_the_targets_greedy(sample, head, last):
 
 
 def test_report_by_stage_sums_to_the_total_and_is_seeded_per_row(tiny_llama_dir):
-    from core.target import TargetHead
+    from specdistill.core.target import TargetHead
 
     torch.manual_seed(0)
     info, drafters = _drafters(tiny_llama_dir)
@@ -280,7 +280,7 @@ def test_drafts_are_judged_against_the_targets_greedy_tokens_not_the_rows(tiny_l
     """Rows not written by this target greedily: half the response positions hold another token than the target's
     argmax. A drafter of the target's greedy continuation is then fully accepted (what vLLM does: it verifies
     against the target), and the disagreement is measured; judging against the row would accept ~half."""
-    from core.target import TargetHead, TargetInfo
+    from specdistill.core.target import TargetHead, TargetInfo
 
     info = TargetInfo.load(tiny_llama_dir)
     head, layer_ids = TargetHead(info), (info.num_hidden_layers,)

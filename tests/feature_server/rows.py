@@ -2,7 +2,7 @@
 
 import torch
 
-from core.contract import FeatureSpec, TokenizedRow
+from specdistill.core.contract import FeatureSpec, TokenizedRow
 
 VOCAB, HIDDEN, LAYERS = 128, 32, 2
 SPEC = FeatureSpec(layer_ids=(0, 1, LAYERS), hidden_dtype="float32")

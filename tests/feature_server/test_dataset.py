@@ -5,8 +5,8 @@ import json
 import pytest
 from transformers import LlamaConfig
 
-from data.formats import DatasetError, check_tokenizer_matches, load_rows
-from launch.tokenizer import as_hf, workload_tokenizer
+from specdistill.data.formats import DatasetError, check_tokenizer_matches, load_rows
+from specdistill.launch.tokenizer import as_hf, workload_tokenizer
 
 SYSTEM = {"role": "system", "content": "Return JSON."}
 USER = {"role": "user", "content": "black trail shoes under $120"}

@@ -12,9 +12,9 @@ from transformers import (
 )
 from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
 
-from core.contract import FeatureSpec, TokenizedRow
-from feature_server.backends import BACKENDS, build_backend
-from feature_server.hf_backend import HFBackend
+from specdistill.core.contract import FeatureSpec, TokenizedRow
+from specdistill.feature_server.backends import BACKENDS, build_backend
+from specdistill.feature_server.hf_backend import HFBackend
 
 REPO = str(Path(__file__).resolve().parents[2])
 
@@ -151,7 +151,7 @@ def test_registry_errors_list_valid_names_and_hf_path_skips_vllm(targets):
         build_backend("nope", targets["llama"], FeatureSpec((0,)))
     assert "hf" in BACKENDS
     # A fresh interpreter: building the HF backend must not import vllm.
-    code = ("import sys; from feature_server.backends import build_backend; from core.contract import "
+    code = ("import sys; from specdistill.feature_server.backends import build_backend; from specdistill.core.contract import "
             f"FeatureSpec; build_backend('hf', {targets['llama']!r}, FeatureSpec((0,))); "
             "assert 'vllm' not in sys.modules, 'vllm imported on the hf path'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from core.contract import TokenizedRow
-from feature_server.ledger import FeatureWorkerError, SampleLedger
-from feature_server.shm_transport import Received
+from specdistill.core.contract import TokenizedRow
+from specdistill.feature_server.ledger import FeatureWorkerError, SampleLedger
+from specdistill.feature_server.shm_transport import Received
 from tests.feature_server.rows import HIDDEN, LAYERS, SPEC, make_rows
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from core.contract import TokenizedRow
-from feature_server.config import FeatureServerConfig
-from feature_server.hf_backend import HFBackend
-from feature_server.ledger import FeatureWorkerError, shard_rows
-from feature_server.server import FeatureServer
-from feature_server.shm_transport import segment_paths
+from specdistill.core.contract import TokenizedRow
+from specdistill.feature_server.config import FeatureServerConfig
+from specdistill.feature_server.hf_backend import HFBackend
+from specdistill.feature_server.ledger import FeatureWorkerError, shard_rows
+from specdistill.feature_server.server import FeatureServer
+from specdistill.feature_server.shm_transport import segment_paths
 from tests.feature_server.rows import HIDDEN, LAYERS, SPEC, VOCAB, make_rows
 
 

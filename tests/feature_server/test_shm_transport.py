@@ -14,7 +14,7 @@ import uuid
 import pytest
 import torch
 
-from feature_server.shm_transport import (
+from specdistill.feature_server.shm_transport import (
     ChannelFull, LocalRegion, RegionWriter, ShmChannel, check_metadata_only, segment_paths, sweep_segments,
 )
 
@@ -72,7 +72,7 @@ def test_round_trip_all_dtypes_and_segment_gone_after_get():
 
 
 def _layout_bytes(tensors) -> int:
-    from feature_server.shm_transport import _layout
+    from specdistill.feature_server.shm_transport import _layout
     return _layout(tensors)[1]
 
 
@@ -245,7 +245,7 @@ def test_killed_producer_leftovers_swept_at_close_and_at_next_start():
 
 _CONSUMER_SCRIPT = textwrap.dedent("""
     import signal, sys, torch
-    from feature_server.shm_transport import ShmChannel
+    from specdistill.feature_server.shm_transport import ShmChannel
     ch = ShmChannel(1 << 20, prefix=sys.argv[1])
     ch.put(0, {"x": torch.zeros(100)})
     ch.put(1, {"x": torch.ones(100)})

@@ -1,7 +1,7 @@
 """VLLMBackend (real vLLM, extract_hidden_states + RingHiddenStatesConnector) against a transformers reference, and
 its hand-off: states written by the engine straight into a ShmChannel ring, no per-request file.
 
-Reference convention (core/contract.py): id 0 = output of embed_tokens, id k = transformers'
+Reference convention (specdistill/core/contract.py): id 0 = output of embed_tokens, id k = transformers'
 hidden_states[k] (after k decoder layers), id L = the input of the final norm (transformers' last hidden_states
 entry is post-norm). One engine per target per module: the llama engine serves every llama test; the Qwen3-Next
 engine extracts once and is shut down inside its fixture.
@@ -15,11 +15,11 @@ import uuid
 import pytest
 import torch
 
-from core.contract import FeatureSpec, TokenizedRow
-from feature_server import vllm_backend
-from feature_server.hf_backend import HFBackend
-from feature_server.shm_transport import LocalRegion, ShmChannel, segment_paths
-from feature_server.vllm_backend import VLLMBackend
+from specdistill.core.contract import FeatureSpec, TokenizedRow
+from specdistill.feature_server import vllm_backend
+from specdistill.feature_server.hf_backend import HFBackend
+from specdistill.feature_server.shm_transport import LocalRegion, ShmChannel, segment_paths
+from specdistill.feature_server.vllm_backend import VLLMBackend
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -73,8 +73,8 @@ def assert_matches_reference(got_TLD, all_ref_TLD, layer_ids, rel_tol: float, ab
 
 
 def build_random_target(name: str, tmp_path_factory) -> str:
-    """launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
-    from launch.targets import make_target
+    """specdistill.launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
+    from specdistill.launch.targets import make_target
 
     return str(make_target(name, tmp_path_factory.mktemp(name), fit_steps=0))
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.attention import (anchor_block_mask, anchor_block_plan, packed_causal_mask, packed_causal_plan)
-from kernels.attention.chunked import document_starts
-from kernels.attention.flex import FlexPlan, anchor_block_mask_mod, packed_causal_mask_mod
+from specdistill.kernels.attention import (anchor_block_mask, anchor_block_plan, packed_causal_mask, packed_causal_plan)
+from specdistill.kernels.attention.chunked import document_starts
+from specdistill.kernels.attention.flex import FlexPlan, anchor_block_mask_mod, packed_causal_mask_mod
 
 # fp32 on CPU: both paths are exact softmax attention; only the summation order differs (~1e-6).
 ATOL, RTOL = 2e-5, 1e-4

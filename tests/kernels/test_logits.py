@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.logits import ce_reference, chunked_ce, chunked_kl, chunked_tv, kl_reference, tv_reference
-from kernels.logits import chunked as chunked_module
+from specdistill.kernels.logits import ce_reference, chunked_ce, chunked_kl, chunked_tv, kl_reference, tv_reference
+from specdistill.kernels.logits import chunked as chunked_module
 
 M, D, V = 45, 24, 203
 
@@ -84,7 +84,7 @@ def test_never_builds_more_than_one_chunk_of_logits(monkeypatch):
 def test_one_pass_gives_the_metrics_the_step_reports(kind):
     """chunked_loss's greedy tokens and TV come from the loss's own logits: equal to separate passes, with the
     loss and its gradients unchanged."""
-    from kernels.logits import chunked_argmax, chunked_loss
+    from specdistill.kernels.logits import chunked_argmax, chunked_loss
 
     hidden, weight, target, labels, g = inputs(torch.float32)
     rows = chunked_loss(kind, hidden, weight, *target, labels_M=labels, chunk=4, with_tv=True)
@@ -128,7 +128,7 @@ def test_chunked_loss_trains_under_bf16_autocast_over_fp32_weights(kind):
 def test_precomputed_target_logits_by_row_index_equal_recomputing_them(kind):
     """target_logits_UV + target_rows_M (a caller's logits for U distinct positions, M rows indexing them) give the
     loss, gradients and metrics of passing each row's target state; a missing or wrong-length index is refused."""
-    from kernels.logits import chunked_loss
+    from specdistill.kernels.logits import chunked_loss
 
     hidden, weight, (target_U, target_weight), _, g = inputs(torch.float32)
     rows_M = torch.randint(0, M, (M,), generator=torch.Generator().manual_seed(1))  # positions repeat

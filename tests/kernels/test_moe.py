@@ -5,8 +5,8 @@ import torch
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
-from kernels.moe.grouped import plan_rows
-from kernels.moe import SparseMoeBlock, experts_loop, fuse_expert_weights, grouped_experts, quantize_fp8, route
+from specdistill.kernels.moe.grouped import plan_rows
+from specdistill.kernels.moe import SparseMoeBlock, experts_loop, fuse_expert_weights, grouped_experts, quantize_fp8, route
 
 E, D, I, K, T = 8, 32, 16, 3, 96  # dims multiple of 8: grouped_mm needs 16-byte aligned strides
 

@@ -1,6 +1,6 @@
-"""The demo's committed rows (launch/assets/small-real-corpus/) are what `make demo` says they are: windows of the
+"""The demo's committed rows (specdistill/launch/assets/small-real-corpus/) are what `make demo` says they are: windows of the
 corpus continued greedily by the committed small-real itself, so the drafter the demo trains learns this target.
-Regenerate them with the command in launch/assets/small-real-corpus/README.md."""
+Regenerate them with the command in specdistill/launch/assets/small-real-corpus/README.md."""
 
 import sys
 from pathlib import Path
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "launch/assets/small-real-corpus"
-TARGET = ROOT / "launch/assets/small-real"
+DATA = ROOT / "specdistill/launch/assets/small-real-corpus"
+TARGET = ROOT / "specdistill/launch/assets/small-real"
 
 
 def _rows(name: str, picks: list[int]) -> list[tuple[list[int], list[int]]]:

@@ -1,4 +1,4 @@
-"""Batched generation (data/generate.py) and the regenerate CLI (launch/regenerate.py, data/regenerate.py):
+"""Batched generation (specdistill/data/generate.py) and the regenerate CLI (specdistill/launch/regenerate.py, specdistill/data/regenerate.py):
 transformers and vLLM against an independent greedy loop, and a kill -9 mid-run resumed without loss."""
 
 import json
@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data.generate import GenerationSettings, generate
-from launch.regenerate import parse, run
+from specdistill.data.generate import GenerationSettings, generate
+from specdistill.launch.regenerate import parse, run
 from tests.cli import REPO
 
 
@@ -120,7 +120,7 @@ def test_regenerate_killed_mid_run_resumes_with_every_id_once(tiny_target, tmp_p
     out = tmp_path / "out.jsonl"
     argv = [f"target.path={target}", f"input={src}", f"output={out}", "max_new_tokens=10", "backend=hf",
             "batch_size=2"]
-    proc = subprocess.Popen([sys.executable, "-m", "launch.regenerate", *argv], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "specdistill.launch.regenerate", *argv], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while (not out.exists() or len(out.read_bytes().splitlines()) < 20) and time.monotonic() < deadline:
@@ -143,7 +143,7 @@ def test_regenerate_killed_mid_run_resumes_with_every_id_once(tiny_target, tmp_p
 
 
 def test_regenerate_rejects_unknown_keys_and_bad_rows(tmp_path):
-    from data.regenerate import read_prompts
+    from specdistill.data.regenerate import read_prompts
 
     with pytest.raises(Exception, match="max_new_token"):
         parse(["input=a", "output=b", "max_new_token=3"])

@@ -1,4 +1,4 @@
-"""launch/ray_job.py for real: `ray job submit` of a 2-rank tiny run to a local Ray cluster on 127.0.0.1 (one
+"""specdistill/launch/ray_job.py for real: `ray job submit` of a 2-rank tiny run to a local Ray cluster on 127.0.0.1 (one
 node with 2 ranks via `ray start`; two raylets with 1 rank each via ray.cluster_utils), one gloo process group,
 a finished run dir; and, while it runs, no Ray or trainer process listening off loopback."""
 
@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from core.run_dir import RunDir
-from launch.config import DataConfig
-from launch.prepare import resolve_data
+from specdistill.core.run_dir import RunDir
+from specdistill.launch.config import DataConfig
+from specdistill.launch.prepare import resolve_data
 from tests.listeners import SampledRun, off_loopback_listeners
 from tests.cli import REPO, SMALL
 
 pytest.importorskip("ray", reason="needs the test extra: pip install 'ray[default]'")
 from omegaconf import OmegaConf  # noqa: E402
 
-from launch.ranks import torchrun_env  # noqa: E402
-from launch.ray_job import Node, NodeBundles, compose_run, pick_nodes, resolve_run_dir, visible_devices  # noqa: E402
+from specdistill.launch.ranks import torchrun_env  # noqa: E402
+from specdistill.launch.ray_job import Node, NodeBundles, compose_run, pick_nodes, resolve_run_dir, visible_devices  # noqa: E402
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -59,7 +59,7 @@ def test_gpu_layout_orders_devices_like_torchrun():
     assert layout.trainer_bundle == {"CPU": 1.0, "GPU": 1.0} and layout.worker_bundle == {"CPU": 2.0, "GPU": 1.0}
     bundle_gpus = [["5"], ["2"], ["0"], ["1"], ["3"], ["4"], ["6"], ["7"]]  # what Ray handed each bundle
     assert visible_devices(bundle_gpus, layout) == "5,2,0,1,3,4,6,7"  # cuda:LOCAL_RANK = the rank's own GPU
-    from trainer.layout import plan_node  # what each rank then plans over those 8 visible devices
+    from specdistill.trainer.layout import plan_node  # what each rank then plans over those 8 visible devices
 
     plan = plan_node(2, 6, "auto", "cuda", cuda_devices=8)
     assert plan.trainer_devices == ("cuda:0", "cuda:1") and plan.worker_devices[1] == ("cuda:5", "cuda:6", "cuda:7")
@@ -159,13 +159,13 @@ def _wait_for_http(url: str, timeout_s: float = 120) -> None:
 
 
 def submit(ray_head, cache_dir, overrides: list[str], deadline_s: float = 600) -> tuple[int, str, set]:
-    """`ray job submit` (blocking, logs streamed back) of launch.ray_job; samples listeners while it runs. Past
+    """`ray job submit` (blocking, logs streamed back) of specdistill.launch.ray_job; samples listeners while it runs. Past
     `deadline_s` the job is stopped (`ray job stop`, which frees its placement group for the next test) and its
     output so far is returned with code -1, so a hang fails with the job's own log instead of a bare timeout."""
     _, address, env, temp_dir = ray_head
     runtime_env = {"env_vars": {"SPECDISTILL_CACHE": str(cache_dir)}}
     cmd = [RAY, "job", "submit", "--address", address, "--working-dir", ".",
-           "--runtime-env-json", json.dumps(runtime_env), "--", sys.executable, "-m", "launch.ray_job", *overrides]
+           "--runtime-env-json", json.dumps(runtime_env), "--", sys.executable, "-m", "specdistill.launch.ray_job", *overrides]
     marks = (temp_dir, *(o for o in overrides if o.startswith("hydra.run.dir=")))
     job = SampledRun(cmd, cwd=REPO, env=env, sample=lambda _: off_loopback_listeners(marks), deadline_s=deadline_s,
                      every_s=1.0)

@@ -1,4 +1,4 @@
-"""The committed realistic target (launch/assets/small-real) and the script that made it."""
+"""The committed realistic target (specdistill/launch/assets/small-real) and the script that made it."""
 
 import hashlib
 import json
@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.target import TargetInfo
-from data.corpus import corpus_files, digest
-from launch.small_real import ASSET_DIR, DIGEST_STEPS, heldout_loss, make_small_real, own_sample_entropy
+from specdistill.core.target import TargetInfo
+from specdistill.data.corpus import corpus_files, digest
+from specdistill.launch.small_real import ASSET_DIR, DIGEST_STEPS, heldout_loss, make_small_real, own_sample_entropy
 
 BUILD_INFO = json.loads((ASSET_DIR / "build_info.json").read_text())
 

@@ -1,4 +1,4 @@
-"""launch/sweep_summary.py: a real `python -m launch.train -m` sweep writes its summary table; the table itself."""
+"""specdistill/launch/sweep_summary.py: a real `python -m specdistill.launch.train -m` sweep writes its summary table; the table itself."""
 
 import csv
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from core.run_dir import RunDir
-from launch.sweep_summary import collect_rows, write_summary
+from specdistill.core.run_dir import RunDir
+from specdistill.launch.sweep_summary import collect_rows, write_summary
 from tests.processes import run_bounded
 from tests.cli import REPO, SMALL
 
@@ -42,7 +42,7 @@ def test_two_by_one_sweep_writes_summary(tmp_path, cache_dir, tiny_target):
     tiny_target("tiny-llama")
     sweep_dir = tmp_path / "sweep"
     small = [a for a in SMALL if not a.startswith("drafter=")]
-    cmd = [sys.executable, "-m", "launch.train", "-m", "drafter=dflash,dflash2", "trainer.lr=0.002",
+    cmd = [sys.executable, "-m", "specdistill.launch.train", "-m", "drafter=dflash,dflash2", "trainer.lr=0.002",
            "target=tiny-llama", *small, "trainer.max_steps=2", "trainer.checkpoint_every=100",
            "logger=wandb", "logger.group=test-sweep", f"hydra.sweep.dir={sweep_dir}"]
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "WANDB_MODE": "online", "WANDB_API_KEY": ""}

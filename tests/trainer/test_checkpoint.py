@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from core.run_dir import RunDir
-from trainer import checkpoint, parallel
-from trainer.checkpoint import TrainState, load_checkpoint, rank_entry, save_checkpoint
-from trainer.config import TrainerConfig
-from trainer.optim import Optimizers
+from specdistill.core.run_dir import RunDir
+from specdistill.trainer import checkpoint, parallel
+from specdistill.trainer.checkpoint import TrainState, load_checkpoint, rank_entry, save_checkpoint
+from specdistill.trainer.config import TrainerConfig
+from specdistill.trainer.optim import Optimizers
 
 META = {"drafter": "dflash", "target_layer_ids": [1, 2], "model_type": "llama"}
 

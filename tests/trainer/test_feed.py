@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from core.contract import FeatureSample, TokenizedRow
-from trainer.feed import EpochEnd, FeatureFeed
+from specdistill.core.contract import FeatureSample, TokenizedRow
+from specdistill.trainer.feed import EpochEnd, FeatureFeed
 
 LAYERS = (1, 2)
 

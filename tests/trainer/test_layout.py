@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.layout import plan_node
+from specdistill.trainer.layout import plan_node
 
 
 def test_production_node_gives_each_process_its_own_gpu():
@@ -32,7 +32,7 @@ def test_too_few_devices_is_a_clear_error(monkeypatch):
 
 
 def test_torchrun_sets_ranks_and_enough_workers_unless_given():
-    from trainer.layout import torchrun_sizes
+    from specdistill.trainer.layout import torchrun_sizes
 
     assert torchrun_sizes(1, 1, None, set()) == (1, 1)  # not under torchrun: unchanged
     assert torchrun_sizes(1, 1, 2, set()) == (2, 2)  # cpu layout, --nproc-per-node 2: a worker per rank
@@ -43,7 +43,7 @@ def test_torchrun_sets_ranks_and_enough_workers_unless_given():
 
 
 def test_cpu_ranks_split_the_cores_and_cuda_ranks_keep_torchs_default():
-    from trainer.layout import cpu_threads
+    from specdistill.trainer.layout import cpu_threads
 
     assert cpu_threads(None, "cpu", ranks=1, cores=2) == 2
     assert cpu_threads(None, "cpu", ranks=2, cores=16) == 8 and cpu_threads(None, "cpu", ranks=4, cores=2) == 1

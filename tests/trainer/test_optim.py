@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from core.target import TargetInfo
-from drafters.dflash2 import DFlash2Config, DFlash2Drafter
-from drafters.dspark import DSparkConfig, DSparkDrafter
-from trainer.config import TrainerConfig
-from trainer.optim import Optimizers, lr_factor
+from specdistill.core.target import TargetInfo
+from specdistill.drafters.dflash2 import DFlash2Config, DFlash2Drafter
+from specdistill.drafters.dspark import DSparkConfig, DSparkDrafter
+from specdistill.trainer.config import TrainerConfig
+from specdistill.trainer.optim import Optimizers, lr_factor
 
 
 def test_schedule_warms_up_then_decays_linearly():
@@ -59,7 +59,7 @@ def test_muon_on_cpu_is_torchs_iteration_in_fp32():
     more orthogonal one (its singular values stay in Newton-Schulz's band around 1)."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from trainer.optim import newton_schulz_fp32
+    from specdistill.trainer.optim import newton_schulz_fp32
 
     g = torch.randn(96, 40, generator=torch.Generator().manual_seed(0))
     coeffs = (3.4445, -4.7750, 2.0315)
@@ -73,7 +73,7 @@ def test_muon_on_cpu_is_torchs_iteration_in_fp32():
 def test_cpu_muon_step_moves_each_matrix_by_its_orthogonalised_update():
     """Against two references that share no code with ours: torch.optim.Muon itself (its bf16 Newton-Schulz), and
     the exact orthogonal factor U V^T of the gradient, which the quintic iteration approximates."""
-    from trainer.optim import GatheredMuon
+    from specdistill.trainer.optim import GatheredMuon
 
     torch.manual_seed(0)
     settings = dict(lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, adjust_lr_fn="match_rms_adamw")

@@ -1,4 +1,4 @@
-"""trainer/parallel.py and GatheredMuon: FSDP2 on 2 gloo ranks takes the same steps as one unsharded process,
+"""specdistill/trainer/parallel.py and GatheredMuon: FSDP2 on 2 gloo ranks takes the same steps as one unsharded process,
 and its gathered checkpoints resume exactly."""
 
 import io
@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from trainer import parallel
-from trainer.config import TrainerConfig
-from trainer.distributed import DistContext
-from trainer.optim import GatheredMuon, Optimizers
+from specdistill.trainer import parallel
+from specdistill.trainer.config import TrainerConfig
+from specdistill.trainer.distributed import DistContext
+from specdistill.trainer.optim import GatheredMuon, Optimizers
 
 CFG = TrainerConfig(muon_lr=0.02, lr=3e-3, weight_decay=0.1)
 
@@ -52,7 +52,7 @@ def test_gathered_muon_is_torch_muon_on_plain_tensors(monkeypatch):
     """Bit for bit torch.optim.Muon's steps, with its Newton-Schulz run in fp32 as ours does off CUDA."""
     import torch.optim._muon
 
-    from trainer.optim import newton_schulz_fp32
+    from specdistill.trainer.optim import newton_schulz_fp32
 
     monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz_fp32)
     torch.manual_seed(0)

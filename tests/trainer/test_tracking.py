@@ -1,4 +1,4 @@
-"""trainer/tracking.py: the logger group composes strictly; wandb writes an offline run holding config, per-step
+"""specdistill/trainer/tracking.py: the logger group composes strictly; wandb writes an offline run holding config, per-step
 metrics, per-position acceptance and the export path, even when the environment says WANDB_MODE=online."""
 
 import json
@@ -10,9 +10,9 @@ import pytest
 from hydra import compose, initialize
 from omegaconf import OmegaConf
 
-from core.run_dir import RunDir
-from launch.config import register_configs
-from trainer.tracking import LoggerConfig, Tracker, flatten_lists
+from specdistill.core.run_dir import RunDir
+from specdistill.launch.config import register_configs
+from specdistill.trainer.tracking import LoggerConfig, Tracker, flatten_lists
 
 register_configs()
 

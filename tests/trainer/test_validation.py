@@ -1,4 +1,4 @@
-"""Held-out acceptance during training (trainer/validation.py), the best-weights export, feature ablation, and the
+"""Held-out acceptance during training (specdistill/trainer/validation.py), the best-weights export, feature ablation, and the
 bad inputs of validation: eval intervals, all-prompt and too-short held-out sets."""
 
 import json
@@ -6,16 +6,16 @@ import json
 import pytest
 import torch
 
-from core.run_dir import RunDir
-from drafters import DRAFTERS
-from feature_server.config import FeatureServerConfig
-from launch.config import DataConfig
-from launch.prepare import resolve_data
-from trainer.ablation import ablate_hidden, check_ablation
-from trainer.checkpoint import load_checkpoint
-from trainer.config import TrainerConfig
-from trainer.trainer import Trainer
-from trainer.validation import check_eval_settings, resolve_eval_every
+from specdistill.core.run_dir import RunDir
+from specdistill.drafters import DRAFTERS
+from specdistill.feature_server.config import FeatureServerConfig
+from specdistill.launch.config import DataConfig
+from specdistill.launch.prepare import resolve_data
+from specdistill.trainer.ablation import ablate_hidden, check_ablation
+from specdistill.trainer.checkpoint import load_checkpoint
+from specdistill.trainer.config import TrainerConfig
+from specdistill.trainer.trainer import Trainer
+from specdistill.trainer.validation import check_eval_settings, resolve_eval_every
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def _trainer(data, run_dir, **overrides):
     cfg = dict(max_steps=6, ranks=1, device="cpu", token_budget=512, progress=False, checkpoint_every=3,
                eval_every=2, eval_rows=3, lr=3e-3, muon_lr=0.02)
     cfg.update(overrides)
-    run_dir.mkdir(parents=True, exist_ok=True)  # launch.train's Hydra makes it
+    run_dir.mkdir(parents=True, exist_ok=True)  # specdistill.launch.train's Hydra makes it
     return Trainer(drafter_cfg, TrainerConfig(**cfg), FeatureServerConfig(workers=1), run_dir, target, train, heldout)
 
 
@@ -116,7 +116,7 @@ def test_ablation_takes_the_inputs_away_and_keeps_the_labels():
 def test_held_out_rows_split_into_selection_and_report_halves():
     from types import SimpleNamespace
 
-    from trainer.validation import split_heldout
+    from specdistill.trainer.validation import split_heldout
 
     rows = [SimpleNamespace(row_id=i) for i in (5, 1, 9, 3, 7)]
     selection, report = split_heldout(rows)

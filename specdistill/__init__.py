@@ -1,0 +1,1 @@
+"""specdistill: train speculative-decoding drafters by online distillation from a target LLM."""

@@ -1,0 +1,1 @@
+"""Offline acceptance of drafters on held-out rows, and reloading runs for it."""

@@ -1,0 +1,23 @@
+"""Feature-server settings (conf/feature_server/*.yaml override these defaults)."""
+
+from dataclasses import dataclass
+
+from specdistill.core.contract import DEFAULT_HIDDEN_DTYPE
+
+
+@dataclass
+class FeatureServerConfig:
+    backend: str = "hf"  # hf | vllm
+    workers: int = 6  # feature workers per node, split evenly over its trainer ranks (specdistill/trainer/layout.py)
+    threads_per_worker: int = 1
+    capacity_mb: int = 256  # shared-memory bytes in flight before workers block
+    # Tokens a worker hands the target per prefill call (as many whole rows as fit; a longer row goes alone): six
+    # of the mission's ~5k-token rows per vLLM generate call, so prefill runs batched (docs/scaling.md).
+    batch_tokens: int = 32768
+    hidden_dtype: str = DEFAULT_HIDDEN_DTYPE  # what crosses to the trainer (specdistill/core/contract.py)
+    device: str = "cpu"  # auto | cpu | cuda: where the target runs (specdistill/trainer/layout.py assigns GPU indices)
+    dtype: str | None = None  # target compute dtype; None = the checkpoint's
+    # A worker that owes rows and sends nothing this long while the trainer waits is hung (a stuck GPU, a
+    # deadlocked engine), not slow: it is killed and its rows reissued. Loading the target gets the longer bound.
+    stall_timeout_s: float = 600.0
+    load_timeout_s: float = 1800.0

@@ -1,0 +1,85 @@
+"""Attention over packed sequences: exact references and the fast path chosen per device.
+
+Build a plan once per batch (the mask, or the chunking, is shared by every layer), call it per layer:
+
+    plan = anchor_block_plan(document_ids_T, anchors_N, B, sliding_window, causal_in_block)
+    out_QHd = plan(q_HQd, k_HKd, v_HKd, scale)
+
+impl: "auto" (CUDA -> compiled flex_attention, else chunked SDPA), "flex", "chunked", "reference".
+"""
+
+import torch
+
+from specdistill.kernels.attention.chunked import ChunkPlan, documents_are_contiguous
+from specdistill.kernels.attention import chunked, flex
+from specdistill.kernels.attention.reference import anchor_block_mask, masked_attention
+from specdistill.kernels.attention.reference_packed import packed_causal_mask
+
+IMPLS = ("auto", "flex", "chunked", "reference")
+
+
+class ReferencePlan:
+    """The dense boolean mask + SDPA (`reference.masked_attention`)."""
+
+    def __init__(self, mask_QK: torch.Tensor):
+        self.mask_QK = mask_QK
+
+    def __call__(self, q_HQd, k_HKd, v_HKd, scale: float) -> torch.Tensor:
+        return masked_attention(q_HQd, k_HKd, v_HKd, self.mask_QK, scale)
+
+
+def _resolve(impl: str, document_ids_T: torch.Tensor) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
+    contiguous = documents_are_contiguous(document_ids_T)
+    if impl == "chunked" and not contiguous:
+        raise ValueError("impl='chunked' needs each document id in one contiguous run of document_ids_T; "
+                         "use impl='reference' (or 'auto') for interleaved ids")
+    if impl != "auto":
+        return impl
+    if document_ids_T.device.type == "cuda":
+        return "flex"
+    return "chunked" if contiguous else "reference"
+
+
+def anchor_block_plan(document_ids_T, anchors_N, block_size: int, sliding_window: int | None = None,
+                      causal_in_block: bool = False, impl: str = "auto"):
+    """Plan for DFlash-family attention: queries = N blocks of B, keys = [context T ; blocks N*B]."""
+    impl = _resolve(impl, document_ids_T)
+    if impl == "reference":
+        return ReferencePlan(anchor_block_mask(document_ids_T, anchors_N, block_size, sliding_window, causal_in_block))
+    if impl == "chunked":
+        return chunked.anchor_block_plan(document_ids_T, anchors_N, block_size, sliding_window, causal_in_block)
+    T, Q = document_ids_T.shape[0], anchors_N.shape[0] * block_size
+    mod = flex.anchor_block_mask_mod(document_ids_T, anchors_N, block_size, sliding_window, causal_in_block)
+    return flex.FlexPlan(mod, Q, T + Q, document_ids_T.device)
+
+
+def packed_causal_plan(document_ids_T, sliding_window: int | None = None, impl: str = "auto"):
+    """Plan for causal attention inside each packed document (EAGLE-3 / MTP): queries = keys = T tokens."""
+    impl = _resolve(impl, document_ids_T)
+    if impl == "reference":
+        return ReferencePlan(packed_causal_mask(document_ids_T, sliding_window))
+    if impl == "chunked":
+        return chunked.packed_causal_plan(document_ids_T, sliding_window)
+    T = document_ids_T.shape[0]
+    return flex.FlexPlan(flex.packed_causal_mask_mod(document_ids_T, sliding_window), T, T, document_ids_T.device)
+
+
+def anchor_block_attention(q_HQd, k_HKd, v_HKd, document_ids_T, anchors_N, block_size: int, scale: float,
+                           sliding_window: int | None = None, causal_in_block: bool = False, impl: str = "auto"):
+    """One-shot form of `anchor_block_plan(...)(q, k, v, scale)` -> [N*B, H, d]."""
+    plan = anchor_block_plan(document_ids_T, anchors_N, block_size, sliding_window, causal_in_block, impl)
+    return plan(q_HQd, k_HKd, v_HKd, scale)
+
+
+def packed_causal_attention(q_HTd, k_HTd, v_HTd, document_ids_T, scale: float,
+                            sliding_window: int | None = None, impl: str = "auto"):
+    """One-shot form of `packed_causal_plan(...)(q, k, v, scale)` -> [T, H, d]."""
+    return packed_causal_plan(document_ids_T, sliding_window, impl)(q_HTd, k_HTd, v_HTd, scale)
+
+
+__all__ = [
+    "IMPLS", "ChunkPlan", "ReferencePlan", "anchor_block_attention", "anchor_block_mask", "anchor_block_plan",
+    "masked_attention", "packed_causal_attention", "packed_causal_mask", "packed_causal_plan",
+]

@@ -1,0 +1,48 @@
+"""Structured schemas for every config group, registered with Hydra's ConfigStore.
+
+Each group file in conf/ lists its schema first in its defaults, so an unknown or mistyped key fails
+when the config is composed (torchtitan lost a run to `training.stpes`). Defaults live here, once.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from specdistill.data.config import DataConfig
+from specdistill.drafters import DRAFTERS
+from specdistill.feature_server.config import FeatureServerConfig
+from specdistill.trainer.config import TrainerConfig
+from specdistill.trainer.tracking import LoggerConfig
+
+
+@dataclass
+class TargetConfig:
+    # small-real (committed, pretrained on real text: specdistill/launch/small_real.py) or a tiny target built locally:
+    # tiny-qwen3-next | tiny-qwen3.5-moe | tiny-llama
+    name: str | None = None
+    path: str | None = None  # any local HF checkpoint dir; wins over name
+
+
+@dataclass
+class RunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: Any = MISSING
+    feature_server: FeatureServerConfig = field(default_factory=FeatureServerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    cache_dir: str = MISSING  # tiny targets and synthetic data are built here once (conf/config.yaml)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    cs.store(group="target", name="target_schema", node=TargetConfig)
+    cs.store(group="data", name="data_schema", node=DataConfig)
+    cs.store(group="trainer", name="trainer_schema", node=TrainerConfig)
+    cs.store(group="feature_server", name="feature_server_schema", node=FeatureServerConfig)
+    cs.store(group="logger", name="logger_schema", node=LoggerConfig)
+    for name, (config_cls, _) in DRAFTERS.items():
+        cs.store(group="drafter", name=f"{name}_schema", node=config_cls)

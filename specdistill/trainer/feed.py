@@ -1,0 +1,193 @@
+"""The trainer's feature feed: one FeatureServer per run, driven by a thread that packs ahead of the training step.
+
+The feed thread starts the server (its workers load the target once for the whole run), streams the held-out rows
+first when there are any, then epoch after epoch of this rank's training rows. Each epoch's packs are planned from
+the rows' lengths before any is extracted (specdistill/data/packing.py: best-fit over windows of rows, ~0.97+ of every pack
+filled), the rows are streamed in plan order, and each sample is copied into its planned pack as it arrives
+(specdistill/core/batch.py PackAssembler); complete packs go, an optimizer step's worth at a time, into a queue that holds
+`prefetch` of them. While the training step runs, the next
+packs are being extracted, copied out of the shared-memory rings and packed; the step waits only when the queue is
+empty, i.e. when feature capacity is below demand (docs/scaling.md, "Prefetch").
+
+The main thread takes items in order: a step's packs (a list of PackedBatch), an EpochEnd (the epoch's delivery
+counts, after its last packs), or None when max_epochs are done. Exactly-once accounting stays with the main
+thread, which records the rows it has trained on; rows packed ahead but not trained when a run stops are simply
+extracted again after a resume. Workers die with the thread that started them (PR_SET_PDEATHSIG), so that thread
+lives until the feed closes.
+"""
+
+import logging
+import queue
+import threading
+
+import numpy as np
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from specdistill.core.batch import PackAssembler, PackedBatch
+from specdistill.core.contract import FeatureSample, TokenizedRow
+from specdistill.core.rows import Rows, as_rows
+from specdistill.data.packing import DEFAULT_WINDOW, plan_packs
+from specdistill.feature_server.server import FeatureServer, StreamCancelled
+
+log = logging.getLogger(__name__)
+
+# Server counters an epoch reports as deltas (specdistill/feature_server/server.py stats()).
+EPOCH_COUNTERS = ("extract_wall_s_sum", "rows_reissued", "duplicates_dropped", "workers_died")
+_PUT_POLL_S = 0.2  # how often a feed thread blocked on a full queue checks for close()
+
+
+@dataclass
+class EpochEnd:
+    epoch: int
+    counts: dict = field(default_factory=dict)  # EPOCH_COUNTERS over this epoch
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+
+
+class FeatureFeed:
+    """Packs of this rank's rows, `prefetch` optimizer steps ahead, epoch after epoch from one FeatureServer.
+
+    make_server: builds the run's server (rows=None); called in the feed thread.
+    eval_rows: rows extracted once before the first epoch, unsharded (rank 0's held-out and probe rows);
+        `eval_samples()` returns them (own copies: they outlive the rings).
+    start_epoch, skip_row_ids: where a resumed run picks up (rows of start_epoch already trained on).
+    """
+
+    def __init__(self, make_server: Callable[[], FeatureServer], rows: "Rows | Sequence[TokenizedRow]", *,
+                 token_budget: int, layer_ids: tuple[int, ...], grad_accum: int, prefetch: int, max_epochs: int,
+                 start_epoch: int = 0, skip_row_ids: frozenset[int] = frozenset(),
+                 eval_rows: Sequence[TokenizedRow] = (), pack_window: int = DEFAULT_WINDOW):
+        if prefetch < 1:
+            raise ValueError(f"trainer.prefetch_steps={prefetch}: need >= 1 (the packs of the next step)")
+        self._make_server, self._rows, self._eval_rows = make_server, as_rows(rows), list(eval_rows)
+        self._window = pack_window
+        self._budget, self._layer_ids, self._grad_accum = token_budget, layer_ids, grad_accum
+        self._max_epochs, self._start_epoch, self._skip = max_epochs, start_epoch, frozenset(skip_row_ids)
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._eval_done = threading.Event()
+        self._eval_samples: list[FeatureSample] = []
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._server: FeatureServer | None = None
+        self._counted = dict.fromkeys(EPOCH_COUNTERS, 0.0)  # server counters already reported
+        self.final_counts: dict = {}  # counts since the last EpochEnd, once closed (a run stopped mid-epoch)
+        self.server_stats: dict = {}  # the server's last stats (engine loads, streams), once closed
+        self._thread = threading.Thread(target=self._run, name="feature-feed", daemon=True)
+
+    # ---- main thread ---------------------------------------------------------------------------------
+    def start(self) -> "FeatureFeed":
+        self._thread.start()
+        return self
+
+    def eval_samples(self) -> list[FeatureSample]:
+        """The eval rows' samples, once extracted (re-raises the feed's error if it failed first)."""
+        while not self._eval_done.wait(_PUT_POLL_S):
+            if not self._thread.is_alive():
+                break
+        if self._error is not None:
+            raise self._error
+        if not self._eval_done.is_set():
+            raise RuntimeError("the feature feed stopped before the held-out rows were extracted")
+        return self._eval_samples
+
+    def next(self) -> "list[PackedBatch] | EpochEnd | None":
+        """The next item, waiting for it; the feed thread's exception is re-raised here."""
+        item = self._queue.get()
+        if isinstance(item, _Failed):
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stop the feed thread and its server (workers stopped, segments swept); idempotent."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.cancel()  # a stream waiting on a worker gives up at its next poll
+        self._thread.join()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- feed thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._server = self._make_server()
+            self._server.start()
+            if self._stop.is_set():  # closed while the server was being built
+                return
+            self._extract_eval_rows()
+            for epoch in range(self._start_epoch, self._max_epochs):
+                skip = self._skip if epoch == self._start_epoch else frozenset()
+                for group in _grouped(self._epoch_packs(skip), self._grad_accum):
+                    if not self._put(group):
+                        return
+                if not self._put(EpochEnd(epoch, self._counts_since_last())):
+                    return
+            self._put(None)
+        except StreamCancelled:
+            pass  # close() while a stream waited on a worker
+        except BaseException as e:  # to the main thread, which re-raises it with the worker's message
+            self._error = e
+            self._eval_done.set()
+            self._put(_Failed(e), force=True)
+        finally:
+            if self._server is not None:
+                self.final_counts = self._counts_since_last()
+                self._server.close()
+                self.server_stats = self._server.stats()
+
+    def _epoch_packs(self, skip: frozenset[int]):
+        """This rank's rows of one epoch (minus `skip`), streamed in plan order and assembled into planned packs."""
+        mine = self._server.select(self._rows, skip)
+        packs = plan_packs(mine.num_tokens, self._budget, self._window)
+        ordered = mine.take(np.concatenate(packs) if packs else np.zeros(0, dtype=np.int64))
+        assembler = PackAssembler(ordered, [len(p) for p in packs], self._layer_ids)
+        for sample in self._server.stream(ordered, sharded=False):
+            pack = assembler.add(sample)
+            if pack is not None:
+                yield pack
+
+    def _extract_eval_rows(self) -> None:
+        if self._eval_rows:
+            for s in self._server.stream(self._eval_rows, sharded=False):  # cloned: views would pin the rings
+                self._eval_samples.append(replace(s, input_ids_T=s.input_ids_T.clone(),
+                                                  loss_mask_T=s.loss_mask_T.clone(), hidden_TLD=s.hidden_TLD.clone()))
+        self._eval_done.set()
+
+    def _put(self, item, force: bool = False) -> bool:
+        """Queue an item, blocking while the queue is full (the prefetch depth); False once close() was called."""
+        while not self._stop.is_set() or force:
+            try:
+                self._queue.put(item, timeout=_PUT_POLL_S)
+                return True
+            except queue.Full:
+                if force:  # the main thread may never read again; make room for the error
+                    try:
+                        self._queue.get_nowait()
+                    except queue.Empty:
+                        pass
+        return False
+
+    def _counts_since_last(self) -> dict:
+        stats = self._server.stats()
+        out = {k: stats[k] - self._counted[k] for k in EPOCH_COUNTERS}
+        self._counted = {k: stats[k] for k in EPOCH_COUNTERS}
+        return out
+
+
+def _grouped(packs, n: int):
+    """Lists of n consecutive packs (the last one of an epoch may be shorter)."""
+    group = []
+    for pack in packs:
+        group.append(pack)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
