@@ -1,5 +1,5 @@
 """A drafter's held-out curve on cached features (an experiment tool, not a test): the training step and the held-out
-walk of `python -m specdistill.launch.train`, with the target's states extracted once and kept on disk, so variants of a drafter
+walk of `specdistill-train`, with the target's states extracted once and kept on disk, so variants of a drafter
 (optimizer settings, initialisation, anchors) are compared step for step without re-running the target.
 
     python bench/cached_curve.py dflash --steps 300 --set num_layers=2 [--tset muon_lr=0.005] [--rows 6000]

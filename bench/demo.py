@@ -1,6 +1,6 @@
 """`make demo`: the real thing on the committed `small-real` target, sized for 2 CPU cores (~4.5 minutes warm).
 
-1. Trains EAGLE-3 anew (replacing outputs/demo) through the CLI (`python -m specdistill.launch.train`, online: a feature
+1. Trains EAGLE-3 anew (replacing outputs/demo) through the CLI (`specdistill-train`, online: a feature
    worker prefills the target over the rows while the trainer trains) on 3,000 committed rows of real text continued greedily by small-real itself
    (specdistill/launch/assets/small-real-corpus/, tests/launch/test_demo_data.py checks they are its own continuations).
 2. Prints held-out tau and a_1 of the export against the model-free baselines on the same rows: a bigram table

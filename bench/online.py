@@ -1,7 +1,7 @@
 """Online pipeline benchmark (not a test): `python bench/online.py [--target small-real] [--steps 40]`.
 
 Trains the same drafter steps twice in this process, on the same rows in the same order:
-  online  `Trainer.train()` as `python -m specdistill.launch.train` runs it: one feature server for the run (HF backend, its
+  online  `Trainer.train()` as `specdistill-train` runs it: one feature server for the run (HF backend, its
           own worker processes) streams epoch after epoch through shared memory, and the feed thread packs
           `trainer.prefetch_steps` steps ahead of the training step (specdistill/trainer/feed.py)
   cached  the same packs extracted beforehand and held in memory: the training step alone

@@ -5,7 +5,7 @@
 
 For each drafter, on `target=small-real` (specdistill/launch/small_real.py) with `data=corpus` (self-distilled rows: real text
 prompts, the target's greedy continuations), it runs the main job twice through the CLI, as a user would:
-  real      `python -m specdistill.launch.train drafter=NAME target=small-real data=corpus` with the defaults, bounded by steps
+  real      `specdistill-train drafter=NAME target=small-real data=corpus` with the defaults, bounded by steps
   ablation  the same with `trainer.feature_ablation=zero` (the drafter's target states replaced by zeros), for 40%
             of the steps, compared with the real run's held-out point at that step
 and reads each run's metrics.json: held-out tau and a_k (the exported weights, walked on the held-out rows as vLLM
@@ -129,7 +129,7 @@ def warm_start_lines(name: str, base: dict, scratch: dict, warm: dict) -> list[s
 
 
 def composed_config(overrides: list[str]) -> dict:
-    """The resolved config `python -m specdistill.launch.train OVERRIDES` runs with (Hydra's compose; nothing runs), as
+    """The resolved config `specdistill-train OVERRIDES` runs with (Hydra's compose; nothing runs), as
     run_info.json records it."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -144,7 +144,7 @@ def composed_config(overrides: list[str]) -> dict:
 
 def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str], target: str = "small-real",
           data: list[str] | None = None, committed: bool = False) -> dict:
-    """One `python -m specdistill.launch.train` run (resumed if run_dir already has checkpoints); its metrics.json.
+    """One `specdistill-train` run (resumed if run_dir already has checkpoints); its metrics.json.
     data: the data overrides (default: the corpus rows of data_overrides). A finished run in run_dir is reused
     only when its resolved config (run_info.json) is the one asked for; otherwise this refuses, naming the keys
     that differ, rather than reprint another run's figures as this one's."""

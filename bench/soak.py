@@ -1,6 +1,6 @@
 """Soak run (not a test): `python bench/soak.py [--minutes 30] [--every 15]`.
 
-Runs `python -m specdistill.launch.train` at tiny scale (tiny-llama, 2 feature workers, a shared-memory capacity of a few
+Runs `specdistill-train` at tiny scale (tiny-llama, 2 feature workers, a shared-memory capacity of a few
 packs, so the workers spend most of their time blocked on backpressure) for a bounded time, sampling every
 --every seconds: the RSS of the trainer and of each feature worker, and the machine's shared memory in use
 (/proc/meminfo Shmem: the rings are unlinked once mapped, so they show there and not as files) and the shared

@@ -1,4 +1,4 @@
-"""Running the main job as users do (`python -m specdistill.launch.train ...`) from a test: the small settings most tests
+"""Running the main job as users do (`specdistill-train ...`) from a test: the small settings most tests
 share, and a run that fails the test with the output's tail."""
 
 import os

@@ -1,9 +1,10 @@
-"""Docs name only what exists: every `python -m MODULE` / `python SCRIPT.py` command quoted in README.md and docs/
-names a real module or script, its `--flags` are the script's own, and every `key=value` it gives specdistill.launch.train,
-specdistill.launch.ray_job or specdistill.launch.regenerate is a real config group option or key."""
+"""Docs name only what exists: every `specdistill-COMMAND` / `python -m MODULE` / `python SCRIPT.py` command quoted in
+README.md and docs/ names a real console script (pyproject.toml), module or script, its `--flags` are the script's own,
+and every `key=value` it gives the train, ray_job or regenerate entry points is a real config group option or key."""
 
 import importlib.util
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,12 @@ from omegaconf import OmegaConf
 from tests.cli import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-COMMAND = re.compile(r"python3? (?P<target>-m [\w.]+|[\w/]+\.py)(?P<args>[^`|]*)")
+COMMAND = re.compile(r"(?:python3? (?P<target>-m [\w.]+|[\w/]+\.py)|(?<![\w/.-])(?P<script>specdistill-[a-z][\w-]*))"
+                     r"(?P<args>[^`|]*)")
 HYDRA_ENTRY_POINTS = ("specdistill.launch.train", "specdistill.launch.ray_job")
+# console script -> "-m MODULE" (pyproject.toml [project.scripts])
+SCRIPTS = {name: "-m " + entry.split(":")[0]
+           for name, entry in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"].items()}
 
 
 def quoted_commands() -> list[tuple[str, str, list[str]]]:
@@ -30,7 +35,10 @@ def quoted_commands() -> list[tuple[str, str, list[str]]]:
             for m in COMMAND.finditer(line):
                 args = m.group("args").split("#")[0]
                 args = re.sub(r"\[[^\]]*\]", " ", args)  # [optional] parts: placeholders
-                found.append((f"{doc.relative_to(REPO)}:{start + 1}", m.group("target"), args.split()))
+                where = f"{doc.relative_to(REPO)}:{start + 1}"
+                if m.group("script"):
+                    assert m.group("script") in SCRIPTS, f"{where}: no console script {m.group('script')}"
+                found.append((where, m.group("target") or SCRIPTS[m.group("script")], args.split()))
             i += 1
     return found
 
@@ -102,6 +110,19 @@ def test_a_quoted_command_names_what_exists(where, target, args):
 def test_the_docs_quote_the_main_commands():
     targets = {t for _, t, _ in COMMANDS}
     assert {"-m specdistill.launch.train", "-m specdistill.launch.regenerate", "bench/data.py", "bench/quality.py"} <= targets
+
+
+def test_the_console_scripts_run_from_any_directory(tmp_path):
+    """`specdistill-train --cfg job` from outside the checkout: the editable install's command composes the config."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "specdistill-train"
+    assert script.is_file(), f"{script}: the console scripts are not installed (pip install -e .)"
+    proc = subprocess.run([str(script), "--cfg", "job", "drafter=eagle3"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "name: eagle3" in proc.stdout
 
 
 OVERRIDE = re.compile(r"`((?:data|drafter|feature_server|logger|trainer|target)(?:\.\w+)+)=[^` ]*`")

@@ -1,6 +1,6 @@
 """The whole chain through the CLI contract: target -> workload -> features -> training -> export/metrics.
 
-Runs `python -m specdistill.launch.train` as users do, then re-runs it with the same hydra.run.dir to check resume.
+Runs `specdistill-train` as users do, then re-runs it with the same hydra.run.dir to check resume.
 """
 
 import glob
@@ -268,7 +268,7 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
     order differs (gloo's all-reduce / reduce-scatter vs accumulation). Tolerance: 1e-4 relative for DDP (seen:
     bit-identical at this size), 1e-3 for FSDP (seen: 8.2e-5). An FSDP run stopped at step 2 and resumed ends
     bit-identical to the uninterrupted one: gathered weights and optimizer states, and each rank's data position
-    and RNG. The DDP run is plain `python -m specdistill.launch.train trainer.ranks=2`: it starts the ranks itself with torchrun's
+    and RNG. The DDP run is plain `specdistill-train trainer.ranks=2`: it starts the ranks itself with torchrun's
     environment, each rank streams its own shard from its own worker, rank 0 writes the run directory, and while it
     runs no process of the run listens off loopback (torchrun's own store would listen on every interface)."""
     from tests.listeners import SampledRun, off_loopback_listeners

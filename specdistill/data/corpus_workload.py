@@ -1,7 +1,7 @@
 """Self-distilled train / held-out sets for a target pretrained on the corpus (specdistill/data/corpus.py): real text in,
 the target's own greedy continuations out.
 
-    python -m specdistill.launch.corpus_workload --target DIR --out DIR --rows 10000 --heldout 100 [--max-new-tokens 64]
+    specdistill-corpus-workload --target DIR --out DIR --rows 10000 --heldout 100 [--max-new-tokens 64]
 
 A prompt is a window of a corpus file starting at a line: train rows come from the training files, held-out rows
 from the held-out files (never seen in pretraining, nor by the drafter). The response is what the target generates

@@ -1,6 +1,6 @@
 """Your prompts, the target's answers: rows ready for `data=jsonl`, streamed, written as they finish, resumable.
 
-    python -m specdistill.launch.regenerate target.path=DIR input=prompts.jsonl output=train.jsonl \
+    specdistill-regenerate target.path=DIR input=prompts.jsonl output=train.jsonl \
         [backend=auto|vllm|hf] [max_new_tokens=256] [temperature=0] [top_p=1] [stop=[...]] [batch_size=32] [seed=0]
 
 A drafter must learn the target's outputs, not the dataset's: whatever wrote the responses in your file, this

@@ -1,6 +1,6 @@
 """Replay synthetic workload prompts through a target and write the pre-tokenized train / heldout sets.
 
-    python -m specdistill.launch.make_workload --target DIR --out DIR --rows N --heldout M \
+    specdistill-make-workload --target DIR --out DIR --rows N --heldout M \
         [--max-new-tokens 48] [--prompt-tokens 400] [--prompt-spread 0] [--backend auto] [--seed 0]
 
 The responses are the target's own greedy continuations (the drafter learns the target, not the template), from

@@ -1,6 +1,6 @@
 """Self-distilled train / held-out sets from real text (specdistill/data/corpus_workload.py):
 
-    python -m specdistill.launch.corpus_workload --target DIR --out DIR --rows 10000 --heldout 100 [--max-new-tokens 64] \
+    specdistill-corpus-workload --target DIR --out DIR --rows 10000 --heldout 100 [--max-new-tokens 64] \
         [--format jsonl|parquet]
 """
 

@@ -1,6 +1,6 @@
 """Write an FP8 copy of a target checkpoint, in the layout vLLM's fp8 checkpoints use.
 
-    python -m specdistill.launch.make_fp8 SRC_DIR DST_DIR [--block 128]
+    specdistill-make-fp8 SRC_DIR DST_DIR [--block 128]
 
 Decoder projection weights (2-D `*_proj.weight` inside `model.layers.*`, experts included) become
 float8_e4m3fn with block-wise scales `<name>_scale_inv` (float32, [ceil(out/b), ceil(in/b)]; weight ~= fp8 *

@@ -1,7 +1,7 @@
 """Build a tiny target checkpoint.
 
-    python -m specdistill.launch.make_target NAME DIR [--fit-steps N]    # NAME in specdistill.launch.targets.TINY_TARGETS
-    python -m specdistill.launch.make_target small-real DIR [--fit-steps N]  # pretrained on real text (specdistill/launch/small_real.py)
+    specdistill-make-target NAME DIR [--fit-steps N]    # NAME in specdistill.launch.targets.TINY_TARGETS
+    specdistill-make-target small-real DIR [--fit-steps N]  # pretrained on real text (specdistill/launch/small_real.py)
 
 Tiny targets: --fit-steps 0 keeps the random init (greedy outputs then loop on one token); the default fits the
 target on the synthetic workload for the spec's step count (<= ~60 s on 2 cores). small-real: --fit-steps N stops

@@ -1,6 +1,6 @@
 """Synthetic workload rows answered by a target (specdistill/data/synthetic.py):
 
-    python -m specdistill.launch.make_workload --target DIR --out DIR --rows N --heldout M \
+    specdistill-make-workload --target DIR --out DIR --rows N --heldout M \
         [--max-new-tokens 48] [--prompt-tokens 400] [--prompt-spread 0] [--backend auto] [--seed 0]
 """
 

@@ -33,7 +33,7 @@ def resolve_target(cfg: TargetConfig, cache_dir: Path) -> Path:
         path = COMMITTED_TARGETS[cfg.name]
         if not (path / "model.safetensors").is_file():
             raise FileNotFoundError(f"target={cfg.name}: {path}/model.safetensors is missing from this checkout; "
-                                    f"rebuild it with `python -m specdistill.launch.make_target {cfg.name} {path}`")
+                                    f"rebuild it with `specdistill-make-target {cfg.name} {path}`")
         return path
     if cfg.name not in TINY_TARGETS:
         raise ValueError(f"unknown target {cfg.name!r}; valid names: "

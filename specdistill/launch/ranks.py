@@ -6,7 +6,7 @@ Ray) and hosts the store on it, as torchrun's agent hosts its store: the ranks g
 TORCHELASTIC_USE_AGENT_STORE=True, so they join as clients and nothing else listens. gloo and NCCL bootstrap
 on loopback too when every rank is on this machine (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless set).
 
-Used by `python -m specdistill.launch.train trainer.ranks=N` (launch_local) and by specdistill/launch/ray_job.py (Store,
+Used by `specdistill-train trainer.ranks=N` (launch_local) and by specdistill/launch/ray_job.py (Store,
 torchrun_env, die_with_parent). Plain `torchrun ... -m specdistill.launch.train` keeps working; it binds as torchrun does.
 """
 
@@ -59,7 +59,7 @@ def die_with_parent() -> None:
 
 
 def launch_local(ranks: int, args: list[str], poll_s: float = 0.5) -> int:
-    """Run `python -m specdistill.launch.train ARGS` as `ranks` ranks on this node; the first rank to fail stops the others
+    """Run `specdistill-train ARGS` as `ranks` ranks on this node; the first rank to fail stops the others
     (a lone rank would wait in a collective). Returns 0, or the first failing rank's exit code."""
     store = Store(LOOPBACK, ranks)
     run_id = f"local-{os.getpid()}"

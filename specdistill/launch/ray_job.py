@@ -7,7 +7,7 @@ Per node, one placement group (STRICT_PACK, pinned to that node) reserves what s
 node (layout=node: 2 trainer ranks + 6 feature workers): a bundle per trainer rank (trainer.ranks; 1 GPU, or 1
 CPU) and one per feature worker (feature_server.workers per node, split over the ranks; 1 GPU when they run on
 cuda, threads_per_worker CPUs). A TrainerRank actor in each rank bundle starts
-`python -m specdistill.launch.train` with the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE,
+`specdistill-train` with the environment torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT), so specdistill/trainer/distributed.py forms one process group over all
 nodes (gloo on CPU, nccl on GPU) and each rank spawns its own feature workers on its own node: hidden states
 cross only node-local shared memory; only gradients cross nodes. Rank 0's actor hosts the rendezvous store, as
@@ -245,10 +245,10 @@ def wait(ranks: list) -> list[int]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m specdistill.launch.ray_job", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="specdistill-ray-job", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=None, help="nodes to use (default: every alive node)")
     parser.add_argument("--reserve-timeout", type=float, default=300.0, help="seconds to wait for resources")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, exactly as for python -m specdistill.launch.train")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, exactly as for specdistill-train")
     return parser.parse_args(argv)
 
 

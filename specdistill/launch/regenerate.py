@@ -1,6 +1,6 @@
 """Your prompts, the target's answers (specdistill/data/regenerate.py has the details):
 
-    python -m specdistill.launch.regenerate target.path=DIR|target=NAME input=prompts.jsonl output=train.jsonl \
+    specdistill-regenerate target.path=DIR|target=NAME input=prompts.jsonl output=train.jsonl \
         [backend=auto|vllm|hf] [max_new_tokens=256] [temperature=0] [top_p=1] [stop=[...]] [batch_size=32] [seed=0]
 
 Prints a JSON summary last (rows written, rows/s, backend). Re-running with the same output resumes.

@@ -4,8 +4,8 @@ The tiny targets (specdistill/launch/targets.py) are fitted on templated JSON an
 real small language model: a byte-level BPE tokenizer and a 6-layer Llama pretrained from scratch on the Python
 standard library's source (specdistill/data/corpus.py), so its continuations depend on the context the way a real LM's do.
 
-    python -m specdistill.launch.make_target small-real DIR            # ~40 min on 2 cores; resumable (DIR/pretrain_state.pt)
-    python -m specdistill.launch.make_target small-real DIR --fit-steps 5   # the first 5 steps (what the test replays)
+    specdistill-make-target small-real DIR            # ~40 min on 2 cores; resumable (DIR/pretrain_state.pt)
+    specdistill-make-target small-real DIR --fit-steps 5   # the first 5 steps (what the test replays)
 
 The build is deterministic (fixed seeds, SMALL_REAL.threads intra-op threads, fixed data order): the same corpus
 gives the same tokenizer.json and the same weights. The finished checkpoint is committed under

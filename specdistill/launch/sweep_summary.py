@@ -1,4 +1,4 @@
-"""Sweep summary: after `python -m specdistill.launch.train -m ...`, one table of every run in the sweep dir.
+"""Sweep summary: after `specdistill-train -m ...`, one table of every run in the sweep dir.
 
 A Hydra Callback (registered in conf/config.yaml's hydra.callbacks): on_multirun_end reads each job's
 metrics.json and .hydra/overrides.yaml and writes SWEEP_DIR/sweep_summary.md and sweep_summary.csv.

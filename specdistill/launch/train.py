@@ -1,4 +1,4 @@
-"""The main job: python -m specdistill.launch.train drafter=NAME target=NAME|target.path=DIR [key=value ...]
+"""The main job: specdistill-train drafter=NAME target=NAME|target.path=DIR [key=value ...]
 
 Hydra composes conf/ (strict schemas, specdistill/launch/config.py), this builds the Trainer and runs it. The run
 directory (hydra.run.dir) ends with export/ and metrics.json; re-running with the same directory
@@ -35,7 +35,8 @@ log = logging.getLogger("specdistill")
 register_configs()
 
 
-@hydra.main(config_path="../../conf", config_name="config", version_base=None)
+# An absolute path: a console script (specdistill-train) has no calling file Hydra could resolve "../../conf" from.
+@hydra.main(config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> dict:
     os.umask(0o077)  # checkpoints, exports, logs and shared memory of a run are private to its user
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
@@ -93,7 +94,7 @@ def _adopt_torchrun_sizes(cfg: DictConfig) -> None:
 
 
 def _relaunch_as_ranks(ranks: int, run_dir: Path) -> dict:
-    """trainer.ranks > 1 from a plain `python -m specdistill.launch.train`: start the ranks on this node with torchrun's
+    """trainer.ranks > 1 from a plain `specdistill-train`: start the ranks on this node with torchrun's
     environment (specdistill/launch/ranks.py; rendezvous on 127.0.0.1 only), with the run dir fixed so that every rank
     (and a later resume) writes to the same place."""
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
@@ -105,5 +106,10 @@ def _relaunch_as_ranks(ranks: int, run_dir: Path) -> dict:
     return json.loads(metrics_file.read_text()) if metrics_file.is_file() else {}
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `specdistill-train` command (main's metrics dict is not an exit status)."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,6 +1,6 @@
 """Feature ablation: train and evaluate a drafter with the target's states taken away, to show it uses them.
 
-    python -m specdistill.launch.train ... trainer.feature_ablation=zero      # or shuffle
+    specdistill-train ... trainer.feature_ablation=zero      # or shuffle
 
 `zero` replaces every drafter input layer by zeros; `shuffle` permutes the token positions of those layers across
 the pack (same statistics, no alignment with the tokens). The last layer (id L) is left alone when the drafter

@@ -63,7 +63,7 @@ class Trainer:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local_ranks != trainer_cfg.ranks:
             raise ValueError(f"trainer.ranks={trainer_cfg.ranks}, but {local_ranks} trainer processes run on this node; "
-                             "start them with `python -m specdistill.launch.train` (it starts the ranks itself), or pass "
+                             "start them with `specdistill-train` (it starts the ranks itself), or pass "
                              f"trainer.ranks=<torchrun --nproc-per-node>")
         parallel.check_mode(trainer_cfg.parallel)
         self.dist = distributed.init_distributed(trainer_cfg.device, trainer_cfg.collective_timeout_s)

@@ -1,4 +1,4 @@
-"""specdistill/launch/sweep_summary.py: a real `python -m specdistill.launch.train -m` sweep writes its summary table; the table itself."""
+"""specdistill/launch/sweep_summary.py: a real `specdistill-train -m` sweep writes its summary table; the table itself."""
 
 import csv
 import json
