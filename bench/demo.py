@@ -79,7 +79,8 @@ def heldout_halves(tokenizer, eval_rows: int) -> tuple[list, list]:
     """The trainer's split of the held-out rows (specdistill/trainer/validation.py): the curve walks the selection half,
     tau_offline the report half."""
     rows, _ = load_rows(HELDOUT, tokenizer, 1 << 20)
-    rows = usable_heldout(rows, HELDOUT)[:eval_rows] if eval_rows else usable_heldout(rows, HELDOUT)
+    usable = usable_heldout(rows, HELDOUT)
+    rows = list(usable[:eval_rows] if eval_rows else usable)
     return split_heldout(rows)
 
 

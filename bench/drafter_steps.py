@@ -1,5 +1,5 @@
 """Drafter train steps at production shapes (not a test): `python bench/drafter_steps.py [--device cuda]
-[--drafters mtp,eagle3,...] [--pack 32768] [--steps 5] [--small]`.
+[--drafters mtp,eagle3,...] [--pack 32768] [--response-tokens 45] [--steps 5] [--fed [--workers 3]] [--small]`.
 
 The target is Qwen3.5-35B-A3B's text geometry (hidden 2048, 40 layers = 30 gated-DeltaNet + 10 full attention,
 vocabulary 248,320, 16 query / 2 KV heads of 256, MoE of 256 experts top-8 of width 512 + a shared expert of 512, one
@@ -7,37 +7,53 @@ MTP layer). Its weights are random: a step's time does not depend on their value
 config.json and the three tensors the trainer reads (embeddings, final norm, lm_head); MTP's layer starts from random
 weights instead of the checkpoint's mtp.* tensors.
 
-One pack is the mission's: 32,768 tokens of six ~5.4k-token rows, each ending in a 45-token response (the only
-scored tokens). Every drafter runs with its production defaults (conf/drafter/*.yaml = the config dataclasses) and
-a step is the trainer's (specdistill/trainer/trainer.py `_step`): the pack cast to fp32 on the device, bf16 autocast over fp32
+Two ways to feed the step, per drafter:
+- fixed: one pack already on the device, repeated: 32,768 tokens of six ~5.4k-token rows, each ending in a
+  `--response-tokens` (45) response (the only scored tokens). This leaves out what a run does between steps.
+- fed (--fed): the path a run takes. Synthetic producers (feature_server.backend=synthetic) write each row's bf16
+  states into the real shared-memory rings; the trainer's FeatureFeed plans packs, copies each sample once into its
+  pack's buffer (pinned on CUDA) and issues the copy to the device on a side stream; the step waits on it and casts
+  on the device. Rows are mission-shaped and vary in length (4.0k-6.7k tokens at the 32k pack, responses of 30-60),
+  so packs and anchor counts vary as a run's do, padded to the run's fixed shapes on CUDA (core/shapes.py).
+Every drafter runs with its production defaults (conf/drafter/*.yaml = the config dataclasses) and a step is the
+trainer's (specdistill/trainer/trainer.py `_step`): the pack cast to fp32 on the device, bf16 autocast over fp32
 master weights, forward + loss + backward, gradient clip, Muon + AdamW step (specdistill/trainer/optim.py), zero_grad.
 
 Per drafter (after `--warmup` steps, which include flex attention's compilation), the median over `--steps` steps:
-  {name}_step_ms, {name}_tokens_per_s       pack tokens per second of one trainer GPU
-  {name}_peak_gib                           peak CUDA memory of a step (0 on CPU)
+  {name}_step_ms, {name}_tokens_per_s       fixed pack: its tokens per second on one trainer GPU
+  {name}_fed_step_ms, {name}_fed_tokens_per_s   fed: the same, real (unpadded) tokens per second
+  {name}_fed_vs_fixed                       fed / fixed step time (goal on a GPU: <= 1.1)
+  {name}_fed_wait_fraction                  the fed steps' share spent waiting for the feed (0: supply >= demand)
+  {name}_compiled_shapes                    attention shapes the drafter's steps gave (core/shapes.py)
+  {name}_peak_gib                           peak CUDA memory of a fixed step (0 on CPU)
+  {name}_model_tflop                        the step's work by bench/step_flops.py's analytic count (real tokens)
+  {name}_mfu, {name}_fed_mfu                model FLOPs / step time / the dense bf16 peak (H100/H200: 989 TFLOP/s)
+  {name}_vs_matmul                          model FLOP rate / an 8192^3 bf16 matmul's measured rate here
 and with --count-flops (CPU, or CUDA with no compiled flex attention in the step):
-  {name}_tflops                             FLOPs of one step counted by torch's FlopCounterMode / step time
-  {name}_mfu                                tflops / the dense bf16 peak of the device (H200: 989 TFLOP/s)
-  {name}_vs_matmul                          tflops / an 8192^3 bf16 matmul's measured rate in this process
-The FLOP count is what the step executes (matmuls, attention), not a model-FLOPs formula: a drafter that skips work
-(response-only logits, anchored blocks) is not credited for work it did not do. On torch 2.11 + CUDA the counter
-cannot trace compiled flex attention ("no implementation found for 'torch.ops.higher_order.flex_attention'") and
-the failed trace broke every later flex compilation in the process (H200, 2026-12-04), hence off by default.
-`--small` shrinks the target (hidden 256, vocab 4096, pack 2048) so the script runs on a CPU for a check.
+  {name}_counted_tflop                      FLOPs of one step as torch's FlopCounterMode counts them
+The analytic count (docs/scaling.md, "FLOPs of a training step") credits only work a loss reads through: a drafter
+that skips work (response-only logits, anchored blocks) is not credited for it, nor for padding. FlopCounterMode
+counts what executes, but nothing for CPU attention kernels; on torch 2.11 + CUDA it cannot trace compiled flex
+attention and the failed trace broke every later flex compilation in the process (H200, 2026-12-04), hence off by
+default. `--small` shrinks the target (hidden 256, vocab 4096, pack 2048) so the script runs on a CPU for a check.
 """
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 import traceback
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# As specdistill/launch/train.py: OpenMP threads that spin would take the cores the --fed producers need.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -45,10 +61,16 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from specdistill.core.batch import PackedBatch  # noqa: E402
 from specdistill.core.contract import TokenizedRow  # noqa: E402
+from specdistill.core.shapes import StaticShapes  # noqa: E402
 from specdistill.core.target import TargetHead, TargetInfo  # noqa: E402
 from specdistill.drafters import DRAFTERS, drafter_config  # noqa: E402
+from specdistill.feature_server.config import FeatureServerConfig  # noqa: E402
+from specdistill.feature_server.server import FeatureServer  # noqa: E402
 from specdistill.trainer.config import TrainerConfig  # noqa: E402
+from specdistill.trainer.device_copy import DeviceCopier, on_device  # noqa: E402
+from specdistill.trainer.feed import EpochEnd, FeatureFeed  # noqa: E402
 from specdistill.trainer.optim import Optimizers  # noqa: E402
+from bench.step_flops import pack_counts, step_flops  # noqa: E402
 
 # Qwen3.5-35B-A3B's text config (the fields the drafters read).
 PRODUCTION = dict(hidden_size=2048, num_hidden_layers=40, vocab_size=248320, num_attention_heads=16,
@@ -84,14 +106,15 @@ def write_target(path: Path, dims: dict, device) -> TargetInfo:
     return TargetInfo.load(path)
 
 
-def mission_pack(info: TargetInfo, layer_ids: tuple, pack_tokens: int, device, seed: int = 0) -> PackedBatch:
-    """ROWS_PER_PACK rows of uneven length filling `pack_tokens`, each ending in RESPONSE_TOKENS scored tokens;
+def mission_pack(info: TargetInfo, layer_ids: tuple, pack_tokens: int, device, seed: int = 0,
+                 response_tokens: int = RESPONSE_TOKENS) -> PackedBatch:
+    """ROWS_PER_PACK rows of uneven length filling `pack_tokens`, each ending in `response_tokens` scored tokens;
     states in bf16 on the device, as the feed delivers them."""
     shares = torch.tensor([1.00, 0.93, 1.08, 0.97, 1.04, 0.98])[:ROWS_PER_PACK]
     lengths = (shares / shares.sum() * pack_tokens).long()
     lengths[-1] += pack_tokens - int(lengths.sum())
     g = torch.Generator().manual_seed(seed)
-    loss_mask = torch.cat([torch.arange(n) >= n - RESPONSE_TOKENS for n in lengths.tolist()])
+    loss_mask = torch.cat([torch.arange(n) >= n - response_tokens for n in lengths.tolist()])
     hidden = torch.randn(pack_tokens, len(layer_ids), info.hidden_size, generator=g, dtype=torch.bfloat16)
     return PackedBatch(
         input_ids_T=torch.randint(0, info.vocab_size, (pack_tokens,), generator=g).to(device),
@@ -127,15 +150,17 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def make_step(drafter, head, batch: PackedBatch, device, bf16: bool):
-    """trainer.Trainer._step for one pack on one rank."""
+def make_step(drafter, head, device, bf16: bool, static: StaticShapes):
+    """trainer.Trainer._step for one pack on one rank: step(item) takes a pack as the feed delivers it (on the host,
+    or being copied to the device: specdistill/trainer/device_copy.py) and casts it to fp32 on the device."""
     cfg = TrainerConfig()
     optimizers = Optimizers(drafter, cfg)
     generator = torch.Generator().manual_seed(0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
-    def step():
-        micro = batch.to(device, torch.float32)
+    def step(item):
+        micro = replace(on_device(item, device, torch.float32), static=static)
+        step.last = (micro, generator.get_state())  # what the step saw: bench/step_flops.py counts its work
         with autocast:
             out = drafter(micro, head, generator)
         out.loss.backward()
@@ -160,37 +185,109 @@ def matmul_tflops(device) -> float:
     return 2 * n**3 * 10 / (time.perf_counter() - t) / 1e12
 
 
-def bench_drafter(name: str, info: TargetInfo, head: TargetHead, args, device) -> dict:
-    drafter = build(name, info, device)
-    batch = mission_pack(info, drafter.feature_spec().layer_ids, args.pack, device)
-    step = make_step(drafter, head, batch, device, args.precision == "bf16")
-    t = time.perf_counter()
-    for _ in range(args.warmup):
-        step()
-    sync(device)
-    warmup_s = time.perf_counter() - t
-    flops = float("nan")
-    if args.count_flops:
-        with FlopCounterMode(display=False) as counter:
-            step()
-        flops = counter.get_total_flops()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.steps):
+def timed(step, items, device, drafter=None) -> tuple[list[float], list[float]]:
+    """Seconds of each step, its item included (items() may wait for the feed), and each step's analytic model FLOPs
+    (bench/step_flops.py, counted after the timed region from the pack and generator state the step saw)."""
+    times, flops = [], []
+    for item in items:
         sync(device)
         t = time.perf_counter()
-        step()
+        step(item())
         sync(device)
         times.append(time.perf_counter() - t)
+        if drafter is not None:
+            batch, state = step.last
+            flops.append(step_flops(drafter, pack_counts(drafter, batch, torch.Generator().set_state(state)))["model"])
+    return times, flops
+
+
+def bench_drafter(name: str, info: TargetInfo, head: TargetHead, args, device, target_dir: Path) -> dict:
+    drafter = build(name, info, device)
+    batch = mission_pack(info, drafter.feature_spec().layer_ids, args.pack, device,
+                         response_tokens=args.response_tokens)
+    static = StaticShapes(tokens=args.pack, pad=device.type == "cuda")  # as a run lays packs out (core/shapes.py)
+    step = make_step(drafter, head, device, args.precision == "bf16", static)
+    t = time.perf_counter()
+    for _ in range(args.warmup):
+        step(batch)
+    sync(device)
+    warmup_s = time.perf_counter() - t
+    counted = float("nan")
+    if args.count_flops:
+        with FlopCounterMode(display=False) as counter:
+            step(batch)
+        counted = counter.get_total_flops()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, flops = timed(step, [lambda: batch] * args.steps, device, drafter)
     step_s = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    del drafter, step, batch
+    out = {"step_ms": step_s * 1e3, "tokens_per_s": args.pack / step_s, "peak_gib": peak,
+           "model_tflop": statistics.median(flops) / 1e12, "model_tflops": statistics.median(flops) / step_s / 1e12,
+           "counted_tflop": counted / 1e12, "warmup_s": warmup_s, "trainable_params_m": params / 1e6}
+    del batch
+    if args.fed:
+        out.update(bench_fed(drafter, step, static, args, device, target_dir))
+    out["compiled_shapes"] = static.count
+    del drafter, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"step_ms": step_s * 1e3, "tokens_per_s": args.pack / step_s, "peak_gib": peak,
-            "tflops": flops / step_s / 1e12, "warmup_s": warmup_s, "trainable_params_m": params / 1e6}
+    return out
+
+
+def mission_rows(n: int, pack_tokens: int, seed: int = 0) -> list[TokenizedRow]:
+    """n rows of the mission's shape scaled to the pack: ROWS_PER_PACK per pack on average, lengths spread +-25%
+    around that (the planned packs then fill ~0.97 and vary in length), responses of 30-60 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    mean = pack_tokens // ROWS_PER_PACK * 0.95
+    rows = []
+    for i in range(n):
+        T = int(mean * (0.75 + 0.5 * torch.rand((), generator=g)))
+        r = min(T - 1, int(torch.randint(30, 61, (), generator=g)))
+        rows.append(TokenizedRow(i, tuple(torch.randint(4, 4000, (T,), generator=g).tolist()), (0,) * (T - r) + (1,) * r))
+    return rows
+
+
+def bench_fed(drafter, step, static: StaticShapes, args, device, target_dir: Path) -> dict:
+    """The step as a run feeds it: synthetic producers (feature_server.backend=synthetic, one copy of each row's
+    bf16 states into their shared-memory rings, as vLLM's hand-off makes) -> the trainer's FeatureFeed (planned
+    packs, each sample copied once into its pack's buffer: pinned on CUDA) -> the side-stream copy to the device ->
+    the cast there -> the step. Rows vary in length, so packs and anchor counts vary as a run's do."""
+    spec = replace(drafter.feature_spec(), hidden_dtype="bfloat16")
+    pack_bytes = args.pack * len(spec.layer_ids) * drafter.target.hidden_size * 2
+    workers = args.workers
+    config = FeatureServerConfig(backend="synthetic", workers=workers, batch_tokens=args.pack,
+                                 capacity_mb=workers * 2 * -(-pack_bytes // 2**20) + 64)  # 2 packs per ring
+    packs = args.warmup + args.steps + 2
+    rows = mission_rows(int(packs * ROWS_PER_PACK * 1.15), args.pack, seed=1)
+    copier = DeviceCopier(device) if device.type == "cuda" else None
+
+    def server():
+        return FeatureServer(str(target_dir), spec, None, config, devices=["cpu"] * workers,
+                             max_row_tokens=args.pack, shm_prefix=f"specdistill_bench_{os.getpid()}")
+
+    waits: list[float] = []
+    real: list[int] = []
+    with FeatureFeed(server, rows, token_budget=args.pack, layer_ids=spec.layer_ids, grad_accum=1, prefetch=2,
+                     max_epochs=1000, pad_to=args.pack if static.pad else None, copier=copier) as feed:
+        def next_pack():
+            t = time.perf_counter()
+            item = feed.next()
+            while isinstance(item, EpochEnd):
+                item = feed.next()
+            waits.append(time.perf_counter() - t)
+            real.append(item[0].batch.num_real_tokens if copier else item[0].num_real_tokens)
+            return item[0]
+
+        timed(step, [next_pack] * args.warmup, device)  # the engines start, shapes compile
+        waits.clear(), real.clear()
+        times, flops = timed(step, [next_pack] * args.steps, device, drafter)
+    fed_s = statistics.median(times)
+    return {"fed_step_ms": fed_s * 1e3, "fed_tokens_per_s": sum(real) / sum(times),
+            "fed_model_tflops": sum(flops) / sum(times) / 1e12,
+            "fed_wait_fraction": sum(waits) / sum(times), "fed_pack_fill": sum(real) / (len(real) * args.pack),
+            "pinned_pool_mib": copier.pool.bytes / 2**20 if copier else 0.0, "max_open_packs": feed.max_open_packs}
 
 
 def main():
@@ -198,6 +295,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--drafters", default="dflash,mtp,eagle3,dspark,dflash2")
     ap.add_argument("--pack", type=int, default=None, help="tokens per pack (default 32768; --small: 2048)")
+    ap.add_argument("--response-tokens", type=int, default=RESPONSE_TOKENS,
+                    help="fixed pack: scored tokens per row (45: the mission's; 171 fills 1,024 anchors at 32k)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
@@ -205,6 +304,10 @@ def main():
     ap.add_argument("--count-flops", action="store_true",
                     help="FlopCounterMode over one step (not with compiled flex attention: see the docstring)")
     ap.add_argument("--small", action="store_true", help="tiny target dims and pack, for a CPU check")
+    ap.add_argument("--fed", action="store_true",
+                    help="also time the step fed as a run feeds it: synthetic producers -> rings -> feed -> device")
+    ap.add_argument("--workers", type=int, default=3,
+                    help="--fed: synthetic feature workers (3: a trainer GPU's share of a node's 6)")
     args = ap.parse_args()
     args.pack = args.pack or (2048 if args.small else 32768)
     device = torch.device(args.device)
@@ -219,24 +322,34 @@ def main():
         head = TargetHead(info).to(device)
         print(f"target: hidden {info.hidden_size}, vocab {info.vocab_size}, {info.num_hidden_layers} layers; "
               f"pack {args.pack} tokens = {ROWS_PER_PACK} rows x ~{args.pack // ROWS_PER_PACK} tokens, "
-              f"{RESPONSE_TOKENS} scored each; {args.precision}" + (" autocast" if args.precision == "bf16" else ""))
+              f"{args.response_tokens} scored each; {args.precision}" + (" autocast" if args.precision == "bf16" else ""))
         for name in args.drafters.split(","):
             try:
-                r = bench_drafter(name, info, head, args, device)
+                r = bench_drafter(name, info, head, args, device, Path(tmp) / "target")
             except Exception:  # the next drafter still runs; the exit status says one failed
                 traceback.print_exc()
                 print(f"{name}: FAILED", flush=True)
                 failed.append(name)
                 continue
-            r["mfu"] = r["tflops"] / peak if peak else float("nan")
-            r["vs_matmul"] = r["tflops"] / ceiling
+            r["mfu"] = r["model_tflops"] / peak if peak else float("nan")
+            r["vs_matmul"] = r["model_tflops"] / ceiling
             results[name] = r
             print(f"{name}: {r['trainable_params_m']:.0f}M trainable, warm-up {r['warmup_s']:.1f} s, "
                   f"step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_gib']:.1f} GiB, "
-                  f"{r['tflops']:.1f} TFLOP/s, MFU {r['mfu']:.3f}", flush=True)
+                  f"{r['model_tflop']:.3g} TFLOP of model work ({r['model_tflops']:.1f} TFLOP/s, MFU {r['mfu']:.3f}), "
+                  f"{r['compiled_shapes']} attention shapes", flush=True)
+            if args.fed:
+                r["fed_vs_fixed"] = r["fed_step_ms"] / r["step_ms"]
+                r["fed_mfu"] = r["fed_model_tflops"] / peak if peak else float("nan")
+                print(f"{name} fed: step {r['fed_step_ms']:.1f} ms ({r['fed_vs_fixed']:.2f}x the fixed pack), "
+                      f"{r['fed_tokens_per_s']:,.0f} real tokens/s, waiting for features "
+                      f"{r['fed_wait_fraction']:.1%} of it, pack fill {r['fed_pack_fill']:.3f}, pinned pool "
+                      f"{r['pinned_pool_mib']:.0f} MiB, at most {r['max_open_packs']} packs assembled at once", flush=True)
     for name, r in results.items():
-        for key in ("step_ms", "tokens_per_s", "peak_gib", "tflops", "mfu", "vs_matmul"):
-            if r[key] == r[key]:  # not NaN: FLOPs counted
+        for key in ("step_ms", "tokens_per_s", "peak_gib", "model_tflop", "mfu", "vs_matmul", "counted_tflop",
+                    "fed_step_ms", "fed_tokens_per_s", "fed_vs_fixed", "fed_mfu", "fed_wait_fraction",
+                    "fed_pack_fill", "compiled_shapes"):
+            if key in r and r[key] == r[key]:  # not NaN: a peak known, FLOPs counted
                 print(f"{name}_{key}: {r[key]:.4g}")
     if failed:
         raise SystemExit(f"drafter steps failed: {failed}")

@@ -51,6 +51,10 @@ class Rows(Sequence):
     def by_id(self, row_id: int) -> TokenizedRow:
         return self._row(self.position_of(row_id))
 
+    def response_tokens(self) -> np.ndarray:
+        """[N] int64: each row's response tokens (loss_mask 1)."""
+        return np.array([sum(row.loss_mask) for row in self], dtype=np.int64)
+
     def response_token_counts(self, vocab_size: int) -> np.ndarray:
         """[vocab_size] int64: how often each token id is a response token (loss_mask 1) in these rows."""
         counts = np.zeros(vocab_size, dtype=np.int64)

@@ -155,6 +155,13 @@ class StoreRows(Rows):
         positions = np.asarray(positions, dtype=np.int64)
         return StoreRows(self.store, self.positions[positions], self.starts[positions])
 
+    def response_tokens(self) -> np.ndarray:
+        """Per row, summed on the memory-mapped mask (no row is built)."""
+        s, out = self.store, np.zeros(len(self), dtype=np.int64)
+        for i, (p, cut) in enumerate(zip(self.positions, self.starts)):
+            out[i] = int(s.loss_mask[s.offsets[p] + cut:s.offsets[p + 1]].sum())
+        return out
+
     def response_token_counts(self, vocab_size: int) -> np.ndarray:
         """Vectorised over blocks of rows: one bincount per block, not per row."""
         counts = np.zeros(vocab_size, dtype=np.int64)

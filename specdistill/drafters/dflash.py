@@ -219,7 +219,7 @@ class DFlashDrafter(Drafter):
         rope_k = self.rotary(torch.cat([batch.position_ids_T, block_pos_Q]))
         # One attention plan (mask or chunking) per batch, shared by every layer.
         attention = anchor_block_plan(batch.document_ids_T, anchors_N, B, self.cfg.sliding_window,
-                                      self.cfg.causal_in_block, impl=self.cfg.attention_impl)
+                                      self.cfg.causal_in_block, impl=self.cfg.attention_impl, static=batch.static)
         for layer in self.layers:
             x_QD = layer(x_QD, ctx_TD, rope_q, rope_k, attention)
         return self.norm(x_QD).view(N, B, -1)

@@ -316,7 +316,7 @@ class Eagle3Drafter(Drafter):
         hidden_SD = self.fc(aux_SD)
         embeds_SD = head.embed_tokens(batch.input_ids_T[pairs.t_S]).to(hidden_SD.dtype)
         rope = self.rotary(pairs.rope_pos_S)
-        plan = packed_causal_plan(pairs.document_ids_S, impl=self.cfg.attention_impl)
+        plan = packed_causal_plan(pairs.document_ids_S, impl=self.cfg.attention_impl, static=batch.static)
         cache = []
 
         def attend(q, k, v):

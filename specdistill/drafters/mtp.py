@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdistill.core.batch import PackedBatch
@@ -234,14 +235,18 @@ class MTPDrafter(Drafter):
         """Step-k queries [N, H, d] over cache entries j < start (own document) + the chain's k own entries.
 
         The plan is DFlash's anchor-block mask (anchor = chain start, causal block of k slots); the queries of
-        earlier slots are recomputed and discarded, since their outputs were already used."""
+        earlier slots are recomputed and discarded, since their outputs were already used. With the run's fixed
+        shapes (batch.static) every step's block is padded with zero slots to K, after the real ones (causal: no
+        real slot sees them), so compiled attention sees one block size, not K."""
         N, k = starts_N.shape[0], len(qs)
-        plan = anchor_block_plan(batch.document_ids_T, starts_N, k, None, causal_in_block=True,
-                                 impl=self.cfg.attention_impl)
-        q = torch.stack(qs, dim=1).flatten(0, 1).transpose(0, 1)
-        key = torch.cat([k_ctx, torch.stack(ks, dim=1).flatten(0, 1)]).transpose(0, 1)
-        val = torch.cat([v_ctx, torch.stack(vs, dim=1).flatten(0, 1)]).transpose(0, 1)
-        return plan(q, key, val, self.layers[0].self_attn.scale).view(N, k, *qs[0].shape[1:])[:, -1]
+        slots = self.num_speculative_tokens if batch.static is not None else k
+        plan = anchor_block_plan(batch.document_ids_T, starts_N, slots, None, causal_in_block=True,
+                                 impl=self.cfg.attention_impl, static=batch.static)
+        pad = (0, 0, 0, 0, 0, slots - k)  # [N, k, H, d] -> [N, slots, H, d]
+        q = F.pad(torch.stack(qs, dim=1), pad).flatten(0, 1).transpose(0, 1)
+        key = torch.cat([k_ctx, F.pad(torch.stack(ks, dim=1), pad).flatten(0, 1)]).transpose(0, 1)
+        val = torch.cat([v_ctx, F.pad(torch.stack(vs, dim=1), pad).flatten(0, 1)]).transpose(0, 1)
+        return plan(q, key, val, self.layers[0].self_attn.scale).view(N, slots, *qs[0].shape[1:])[:, k - 1]
 
     def label_positions(self, batch: PackedBatch, anchors_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token positions [N, K] step k predicts (p + k), and which carry loss in the anchor's document."""

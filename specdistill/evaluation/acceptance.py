@@ -21,7 +21,7 @@ Results can be broken down by workload stage (the dataset rows' "stage", see `st
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -245,8 +245,11 @@ def evaluate_sample(drafter, head, sample_batch: PackedBatch, counts: Acceptance
 @torch.no_grad()
 def evaluate_report(drafter, head, samples, layer_ids, device, dtype, stages: dict[int, str] | None = None,
                     temperature: float = 0.0, draft_mode: str = "greedy", seed: int = 0,
-                    max_generated: int | None = None) -> AcceptanceReport:
-    """Offline acceptance over held-out FeatureSamples (one row per pass), in total and per stage."""
+                    max_generated: int | None = None, static=None) -> AcceptanceReport:
+    """Offline acceptance over held-out FeatureSamples (one row per pass), in total and per stage.
+
+    static: a run's fixed shapes (specdistill/core/shapes.py): each row is laid out as a training pack (padded to
+    static.tokens where static.pad), so the held-out walk compiles no shapes of its own beyond its anchor buckets."""
     if draft_mode not in DRAFT_MODES:
         raise ValueError(f"draft_mode={draft_mode!r}; valid: {', '.join(DRAFT_MODES)}")
     K = drafter.num_speculative_tokens
@@ -256,8 +259,9 @@ def evaluate_report(drafter, head, samples, layer_ids, device, dtype, stages: di
     for sample in samples:
         stage = (stages or {}).get(sample.row_id, NO_STAGE)
         counts = by_stage.setdefault(stage, AcceptanceCounts(K=K))
-        evaluate_sample(drafter, head, pack([sample], layer_ids).to(device, dtype), counts, max_generated,
-                        temperature, draft_mode, seed)
+        pad_to = static.tokens if static is not None and static.pad else None
+        batch = replace(pack([sample], layer_ids, pad_to).to(device, dtype), static=static)
+        evaluate_sample(drafter, head, batch, counts, max_generated, temperature, draft_mode, seed)
     drafter.train(was_training)
     total = AcceptanceCounts(K=K)
     for counts in by_stage.values():

@@ -19,6 +19,8 @@ from specdistill.feature_server.shm_transport import ShmProducer
 BACKENDS: dict[str, str] = {
     "hf": "specdistill.feature_server.hf_backend:HFBackend",
     "vllm": "specdistill.feature_server.vllm_backend:VLLMBackend",
+    # Random states of the target's shape, no model: times the trainer side of the pipeline (synthetic_backend.py).
+    "synthetic": "specdistill.feature_server.synthetic_backend:SyntheticBackend",
 }
 
 

@@ -7,7 +7,7 @@ from specdistill.core.contract import DEFAULT_HIDDEN_DTYPE
 
 @dataclass
 class FeatureServerConfig:
-    backend: str = "hf"  # hf | vllm
+    backend: str = "hf"  # hf | vllm | synthetic (no model: random states, for timing the pipeline)
     workers: int = 6  # feature workers per node, split evenly over its trainer ranks (specdistill/trainer/layout.py)
     threads_per_worker: int = 1
     capacity_mb: int = 256  # shared-memory bytes in flight before workers block

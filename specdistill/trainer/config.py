@@ -40,4 +40,7 @@ class TrainerConfig:
     export: str = "best"  # best: the weights with the best held-out tau | last: the final weights
     feature_ablation: str = "none"  # none | zero | shuffle: the drafter's target states taken away (specdistill/trainer/ablation.py)
     compile: bool = False  # torch.compile the drafter (GPU)
+    # Packs laid out over token_budget and attention query blocks padded to buckets, so compiled attention sees a few
+    # fixed shapes (specdistill/core/shapes.py); None: on CUDA only (CPU runs nothing compiled), True: on CPU too.
+    pad_packs: bool | None = None
     progress: bool = True

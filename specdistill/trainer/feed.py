@@ -9,7 +9,11 @@ filled), the rows are streamed in plan order, and each sample is copied into its
 packs are being extracted, copied out of the shared-memory rings and packed; the step waits only when the queue is
 empty, i.e. when feature capacity is below demand (docs/scaling.md, "Prefetch").
 
-The main thread takes items in order: a step's packs (a list of PackedBatch), an EpochEnd (the epoch's delivery
+On CUDA the packs are assembled in pinned buffers and their copy to the device is issued here, on a side stream, as
+each pack completes (trainer/device_copy.py): the queue then holds StagedPacks. `pad_to` lays every pack out over
+the run's token budget (the fixed shapes of specdistill/core/shapes.py).
+
+The main thread takes items in order: a step's packs (a list of PackedBatch or StagedPack), an EpochEnd (the epoch's delivery
 counts, after its last packs), or None when max_epochs are done. Exactly-once accounting stays with the main
 thread, which records the rows it has trained on; rows packed ahead but not trained when a run stops are simply
 extracted again after a resume. Workers die with the thread that started them (PR_SET_PDEATHSIG), so that thread
@@ -29,6 +33,7 @@ from specdistill.core.contract import FeatureSample, TokenizedRow
 from specdistill.core.rows import Rows, as_rows
 from specdistill.data.packing import DEFAULT_WINDOW, plan_packs
 from specdistill.feature_server.server import FeatureServer, StreamCancelled
+from specdistill.trainer.device_copy import DeviceCopier, StagedPack
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +60,19 @@ class FeatureFeed:
     eval_rows: rows extracted once before the first epoch, unsharded (rank 0's held-out and probe rows);
         `eval_samples()` returns them (own copies: they outlive the rings).
     start_epoch, skip_row_ids: where a resumed run picks up (rows of start_epoch already trained on).
+    pad_to: every pack padded to this many tokens (None: packs as long as their rows).
+    copier: on CUDA, pinned buffers and the side-stream copy of each pack (None: host packs, as on CPU).
     """
 
     def __init__(self, make_server: Callable[[], FeatureServer], rows: "Rows | Sequence[TokenizedRow]", *,
                  token_budget: int, layer_ids: tuple[int, ...], grad_accum: int, prefetch: int, max_epochs: int,
                  start_epoch: int = 0, skip_row_ids: frozenset[int] = frozenset(),
-                 eval_rows: Sequence[TokenizedRow] = (), pack_window: int = DEFAULT_WINDOW):
+                 eval_rows: Sequence[TokenizedRow] = (), pack_window: int = DEFAULT_WINDOW,
+                 pad_to: int | None = None, copier: DeviceCopier | None = None):
         if prefetch < 1:
             raise ValueError(f"trainer.prefetch_steps={prefetch}: need >= 1 (the packs of the next step)")
         self._make_server, self._rows, self._eval_rows = make_server, as_rows(rows), list(eval_rows)
-        self._window = pack_window
+        self._window, self._pad_to, self._copier = pack_window, pad_to, copier
         self._budget, self._layer_ids, self._grad_accum = token_budget, layer_ids, grad_accum
         self._max_epochs, self._start_epoch, self._skip = max_epochs, start_epoch, frozenset(skip_row_ids)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -76,6 +84,7 @@ class FeatureFeed:
         self._counted = dict.fromkeys(EPOCH_COUNTERS, 0.0)  # server counters already reported
         self.final_counts: dict = {}  # counts since the last EpochEnd, once closed (a run stopped mid-epoch)
         self.server_stats: dict = {}  # the server's last stats (engine loads, streams), once closed
+        self.max_open_packs = 0  # packs being assembled at once, at most (each holds a pack buffer: docs/scaling.md)
         self._thread = threading.Thread(target=self._run, name="feature-feed", daemon=True)
 
     # ---- main thread ---------------------------------------------------------------------------------
@@ -94,7 +103,7 @@ class FeatureFeed:
             raise RuntimeError("the feature feed stopped before the held-out rows were extracted")
         return self._eval_samples
 
-    def next(self) -> "list[PackedBatch] | EpochEnd | None":
+    def next(self) -> "list[PackedBatch | StagedPack] | EpochEnd | None":
         """The next item, waiting for it; the feed thread's exception is re-raised here."""
         item = self._queue.get()
         if isinstance(item, _Failed):
@@ -147,11 +156,13 @@ class FeatureFeed:
         mine = self._server.select(self._rows, skip)
         packs = plan_packs(mine.num_tokens, self._budget, self._window)
         ordered = mine.take(np.concatenate(packs) if packs else np.zeros(0, dtype=np.int64))
-        assembler = PackAssembler(ordered, [len(p) for p in packs], self._layer_ids)
+        buffers = {"buffers": self._copier.pool} if self._copier else {}
+        assembler = PackAssembler(ordered, [len(p) for p in packs], self._layer_ids, self._pad_to, **buffers)
         for sample in self._server.stream(ordered, sharded=False):
             pack = assembler.add(sample)
+            self.max_open_packs = max(self.max_open_packs, assembler.open_packs + (pack is not None))
             if pack is not None:
-                yield pack
+                yield self._copier.stage(pack) if self._copier else pack
 
     def _extract_eval_rows(self) -> None:
         if self._eval_rows:

@@ -20,7 +20,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from specdistill.core.batch import PackedBatch
+from specdistill.core.rows import as_rows
 from specdistill.core.run_dir import RunDir
+from specdistill.core.shapes import StaticShapes
 from specdistill.core.target import TargetHead, TargetInfo
 from specdistill.data.config import DataConfig
 from specdistill.data.formats import check_tokenizer_matches
@@ -34,6 +36,7 @@ from specdistill.trainer import distributed, parallel
 from specdistill.trainer.ablation import ablate, ablate_hidden, check_ablation
 from specdistill.trainer.checkpoint import SUMMED_OVER_RANKS, TrainState, load_checkpoint, rank_entry, save_checkpoint
 from specdistill.trainer.config import TrainerConfig
+from specdistill.trainer.device_copy import DeviceCopier, on_device
 from specdistill.trainer.feed import EpochEnd, FeatureFeed
 from specdistill.trainer.metrics import StepMetrics
 from specdistill.trainer.optim import Optimizers
@@ -92,6 +95,9 @@ class Trainer:
         self.optimizers = Optimizers(self.drafter, trainer_cfg)
         self.generator = torch.Generator().manual_seed(trainer_cfg.seed + self.dist.rank)
         self.autocast_dtype = _autocast_dtype(trainer_cfg.precision, self.dist.device)
+        self.static = _static_shapes(trainer_cfg.pad_packs, self.pack_tokens, self.dist.device)
+        # CUDA: packs assembled in pinned memory and copied ahead of the step on a side stream (device_copy.py)
+        self.copier = DeviceCopier(self.dist.device) if self.dist.device.type == "cuda" else None
         self.meta = {"drafter": drafter_cfg.name, "target_layer_ids": list(self.spec.layer_ids),
                      "model_type": self.target.model_type}
         self.window = StepMetrics(self.drafter.num_speculative_tokens)
@@ -118,14 +124,14 @@ class Trainer:
         if not len(self.rows):
             raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
         log.info("train rows: %s", self.train_skips.summary())
-        self.heldout_rows, self.heldout_skips, self.heldout_stages = [], None, {}
+        self.heldout_rows, self.heldout_skips, self.heldout_stages = as_rows([]), None, {}
         if heldout_path:
             held, self.heldout_skips, held_store = load_selected(heldout_path, target_dir, cache_dir,
                                                                  self.row_tokens, data_cfg, progress)
             if not len(held):
                 raise ValueError(f"{heldout_path}: no usable held-out row ({self.heldout_skips.summary()}); held-out "
                                  "rows need response tokens (loss_mask 1) and must fit trainer.token_budget")
-            self.heldout_rows = usable_heldout(list(held), heldout_path)
+            self.heldout_rows = usable_heldout(held, heldout_path)  # an index into the store, like the training rows
             self.heldout_stages = held_store.stages_by_row_id()
         self.heldout_path = heldout_path
 
@@ -185,9 +191,10 @@ class Trainer:
         return FeatureFeed(self._run_server, self.rows, token_budget=self.pack_tokens,
                            layer_ids=self.spec.layer_ids, grad_accum=self.cfg.grad_accum,
                            prefetch=self.cfg.prefetch_steps, max_epochs=self.cfg.max_epochs, start_epoch=state.epoch,
-                           skip_row_ids=frozenset(state.consumed_row_ids), eval_rows=eval_rows).start()
+                           skip_row_ids=frozenset(state.consumed_row_ids), eval_rows=eval_rows,
+                           pad_to=self.pack_tokens if self.static.pad else None, copier=self.copier).start()
 
-    def _next_step_packs(self, state: TrainState) -> "list[PackedBatch] | None":
+    def _next_step_packs(self, state: TrainState) -> list | None:
         """The next optimizer step's packs (trainer.grad_accum of them); None once max_epochs are done."""
         while isinstance(item := self.feed.next(), EpochEnd):
             self._end_epoch(state, item)
@@ -221,16 +228,17 @@ class Trainer:
         state.duplicate_deliveries_dropped += int(counts["duplicates_dropped"])
         state.feature_workers_died += int(counts["workers_died"])
 
-    def _step(self, micro: "PackedBatch | list[PackedBatch]", state: TrainState) -> None:
-        """One optimizer step over `trainer.grad_accum` packs (micro-batches): the mean of their losses, so
-        1 rank x N packs and N ranks x 1 pack (DDP averages) take the same step."""
+    def _step(self, micro: list, state: TrainState) -> None:
+        """One optimizer step over `trainer.grad_accum` packs (micro-batches; host packs, or packs already being
+        copied to the device: trainer/device_copy.py): the mean of their losses, so 1 rank x N packs and N ranks x
+        1 pack (DDP averages) take the same step."""
         started = time.perf_counter()
         micro = [micro] if isinstance(micro, PackedBatch) else micro
         self.optimizers.set_step(state.step)
         losses = []
-        for i, batch in enumerate(micro):
-            batch = ablate(batch.to(self.dist.device, torch.float32), self.cfg.feature_ablation, self.input_layer_ids,
-                           self.generator)
+        for i, item in enumerate(micro):
+            batch = replace(on_device(item, self.dist.device, torch.float32), static=self.static)
+            batch = ablate(batch, self.cfg.feature_ablation, self.input_layer_ids, self.generator)
             last = i == len(micro) - 1
             # Gradients are reduced over the ranks once, on the last micro-batch.
             with parallel.gradient_sync(self.model, self.cfg.parallel, self.dist, sync=last):
@@ -251,7 +259,7 @@ class Trainer:
         state.train_seconds += time.perf_counter() - started
 
     def _count_batch(self, batch: PackedBatch, state: TrainState) -> None:
-        state.train_tokens += batch.num_tokens
+        state.train_tokens += batch.num_real_tokens  # padding is not counted (core/batch.py)
         state.packs += 1
         state.train_response_tokens += int(batch.loss_mask_T.sum())
         seen_twice = state.consumed_row_ids.intersection(batch.row_ids)
@@ -264,7 +272,7 @@ class Trainer:
         """Stop before the poisoned update reaches the weights or a checkpoint; name the step and the rows."""
         finite_T = torch.isfinite(batch.hidden_TLD).flatten(1).all(-1)
         bad_docs = batch.document_ids_T[~finite_T].unique().tolist()
-        bad_rows = [batch.row_ids[d] for d in bad_docs]
+        bad_rows = [batch.row_ids[d] for d in bad_docs if d < len(batch.row_ids)]  # not the padding document
         where = (f"non-finite target hidden states in rows {bad_rows}" if bad_rows else
                  "the target's hidden states are finite, so the drafter diverged (lower trainer.lr / muon_lr?)")
         raise FloatingPointError(f"step {state.step + 1}: loss is {float(loss.detach())} on rows {list(batch.row_ids)}; {where}. "
@@ -334,7 +342,7 @@ class Trainer:
         first epoch."""
         if not self.dist.is_main:
             return [], []
-        heldout = self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows
+        heldout = list(self.heldout_rows[: self.cfg.eval_rows] if self.cfg.eval_rows else self.heldout_rows)
         if not heldout:
             log.warning("no held-out rows: tau_offline and the held-out curve are not measured")
             return [], []
@@ -354,7 +362,8 @@ class Trainer:
                 probed.append(replace(s, row_id=s.row_id - PROBE_ROW_OFFSET, hidden_TLD=hidden))
             else:
                 held.append(replace(s, hidden_TLD=hidden))
-        return Validator(held, probed, self.spec.layer_ids, self.dist.device, self.validation, self.heldout_stages)
+        return Validator(held, probed, self.spec.layer_ids, self.dist.device, self.validation, self.heldout_stages,
+                         static=self.static)
 
     def _validate(self, state: TrainState) -> None:
         drafter = self._unsharded_drafter()  # a collective under fsdp: every rank calls it
@@ -410,6 +419,15 @@ class Trainer:
                 "packs": state.packs,
                 "pack_tokens": self.pack_tokens,
                 "pack_fill": state.train_tokens / max(1, state.packs * self.pack_tokens),
+                # Fixed shapes (core/shapes.py): the shapes compiled attention saw in this process (on CPU, those
+                # padding would give), the share of the packs' laid-out tokens and of the anchor query blocks that is
+                # padding (on CPU, what padding would add).
+                "pad_packs": self.static.pad,
+                "compiled_shapes": self.static.count,
+                "pad_fraction": 1 - state.train_tokens / max(1, state.packs * self.pack_tokens),
+                "anchor_pad_fraction": self.static.query_pad_fraction,
+                "pinned_pool_mib": self.copier.pool.bytes / 2**20 if self.copier else 0.0,
+                "max_open_packs": self.feed.max_open_packs,
                 "train_response_tokens": state.train_response_tokens,
                 "final_loss": state.last_loss,
                 "train_accuracy_per_position": self.totals.summary()["accuracy_per_position"],
@@ -501,6 +519,21 @@ def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, pack_
                          f"workers a {ring / 2**20:.0f} MiB ring, but a {pack_tokens}-token pack of "
                          f"{len(spec.layer_ids)} layers x {hidden_size} {spec.hidden_dtype} is {pack / 2**20:.0f} MiB "
                          f"and a ring must hold 2; set feature_server.capacity_mb >= {need}")
+
+
+# Compiled flex attention's shapes per run (trainer.pad_packs): training and held-out walks, anchor buckets, block
+# sizes; torch's default recompile limit (8) is below what a run plans, and past it the call runs uncompiled.
+COMPILED_SHAPES_LIMIT = 64
+
+
+def _static_shapes(pad_packs: bool | None, pack_tokens: int, device: torch.device) -> StaticShapes:
+    """The run's fixed shapes: padded for real on CUDA (or when trainer.pad_packs=true), recorded only on CPU."""
+    pad = device.type == "cuda" if pad_packs is None else bool(pad_packs)
+    if pad and device.type == "cuda":
+        import torch._dynamo
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES_LIMIT)
+    return StaticShapes(tokens=pack_tokens, pad=pad)
 
 
 def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

@@ -18,8 +18,10 @@ single held-out row there is nothing to split: both walk it, and metrics.json sa
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from specdistill.core.rows import Rows, as_rows
 from specdistill.evaluation.served import evaluate_as_served
 
 EXPORT_POLICIES = ("best", "last")
@@ -47,13 +49,16 @@ class Validator:
     """Rank 0's held-out walks. `heldout` and `probe` are lists of FeatureSamples owned by this object."""
 
     def __init__(self, heldout: list, probe: list, layer_ids: tuple[int, ...], device: torch.device,
-                 state: ValidationState, stages: dict[int, str] | None = None):
+                 state: ValidationState, stages: dict[int, str] | None = None, static=None):
+        """static: the run's fixed shapes (core/shapes.py): each walked row is laid out as a training pack is."""
         self.heldout, self.probe, self.layer_ids, self.device = heldout, probe, layer_ids, device
+        self.static = static
         self.state, self.stages = state, stages
         self.selection, self.reported = split_heldout(heldout)
 
     def walk(self, drafter, head, samples, stages=None):
-        return evaluate_as_served(drafter, head, samples, self.layer_ids, self.device, stages=stages)
+        return evaluate_as_served(drafter, head, samples, self.layer_ids, self.device, stages=stages,
+                                  static=self.static)
 
     def run(self, drafter, head, step: int, train_tokens: int, train_seconds: float,
             train_tau_estimate: float) -> dict:
@@ -112,10 +117,12 @@ def check_eval_settings(eval_every: int, max_steps: int, export: str) -> None:
                          "trainer.max_steps, or 0 to measure at the end only")
 
 
-def usable_heldout(rows: list, path) -> list:
-    """Held-out rows a draft step fits in (>= 2 response tokens); an error when none is left."""
-    usable = [r for r in rows if sum(r.loss_mask) >= 2]
-    if rows and not usable:
+def usable_heldout(rows, path) -> Rows:
+    """Held-out rows a draft step fits in (>= 2 response tokens), as an index (a token store's rows stay on disk);
+    an error when none is left."""
+    rows = as_rows(rows)
+    usable = rows.take(np.flatnonzero(rows.response_tokens() >= 2))
+    if len(rows) and not len(usable):
         raise ValueError(f"{path}: no held-out row has a response of >= 2 tokens, so no draft step can be scored "
                          "(rows that are all prompt are skipped when loaded); give rows with responses")
     return usable

@@ -18,3 +18,29 @@ def make_batch(info: TargetInfo, layer_ids, lengths=(20, 14), prompt=(8, 6), see
         layer_ids=tuple(layer_ids),
         row_ids=tuple(range(len(lengths))),
     )
+
+
+def small_drafter(name, tiny_llama_dir, tmp_path):
+    """(target info, drafter): each drafter small (1 layer, 3 draft tokens) on tiny-llama; MTP on an unfitted
+    tiny-qwen3-next (it needs the target's MTP layer)."""
+    from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter
+    from specdistill.drafters.dflash2 import DFlash2Config, DFlash2Drafter
+    from specdistill.drafters.dspark import DSparkConfig, DSparkDrafter
+    from specdistill.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from specdistill.drafters.mtp import MTPConfig, MTPDrafter
+
+    if name == "mtp":
+        from specdistill.launch.targets import make_target
+
+        info = TargetInfo.load(make_target("tiny-qwen3-next", tmp_path / "t", fit_steps=0))
+        return info, MTPDrafter(MTPConfig(num_speculative_tokens=3), info)
+    info = TargetInfo.load(tiny_llama_dir)
+    small = dict(num_layers=1, target_layer_ids=[1, 2, 3], sliding_window=None, block_size=4, init_from_target=False)
+    if name == "eagle3":
+        drafter = Eagle3Drafter(Eagle3Config(target_layer_ids=[1, 2, 3], num_speculative_tokens=3,
+                                             draft_vocab_size=64), info)
+        drafter.prepare([])
+        return info, drafter
+    cls, cfg = {"dflash": (DFlashDrafter, DFlashConfig), "dspark": (DSparkDrafter, DSparkConfig),
+                "dflash2": (DFlash2Drafter, DFlash2Config)}[name]
+    return info, cls(cfg(**small), info, 3)

@@ -7,31 +7,8 @@ import pytest
 import torch
 
 from specdistill.core.batch import PackedBatch
-from specdistill.core.target import TargetHead, TargetInfo
-
-
-def _drafter(name, tiny_llama_dir, tmp_path):
-    from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter
-    from specdistill.drafters.dflash2 import DFlash2Config, DFlash2Drafter
-    from specdistill.drafters.dspark import DSparkConfig, DSparkDrafter
-    from specdistill.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-    from specdistill.drafters.mtp import MTPConfig, MTPDrafter
-
-    if name == "mtp":
-        from specdistill.launch.targets import make_target
-
-        info = TargetInfo.load(make_target("tiny-qwen3-next", tmp_path / "t", fit_steps=0))
-        return info, MTPDrafter(MTPConfig(num_speculative_tokens=3), info)
-    info = TargetInfo.load(tiny_llama_dir)
-    small = dict(num_layers=1, target_layer_ids=[1, 2, 3], sliding_window=None, block_size=4, init_from_target=False)
-    if name == "eagle3":
-        drafter = Eagle3Drafter(Eagle3Config(target_layer_ids=[1, 2, 3], num_speculative_tokens=3,
-                                             draft_vocab_size=64), info)
-        drafter.prepare([])
-        return info, drafter
-    cls, cfg = {"dflash": (DFlashDrafter, DFlashConfig), "dspark": (DSparkDrafter, DSparkConfig),
-                "dflash2": (DFlash2Drafter, DFlash2Config)}[name]
-    return info, cls(cfg(**small), info, 3)
+from specdistill.core.target import TargetHead
+from tests.drafters.batches import small_drafter
 
 
 def _batch(info, layer_ids, lengths=(40, 36), response=(12, 10)):
@@ -55,7 +32,7 @@ def _step(drafter, head, batch, autocast: bool):
 @pytest.mark.parametrize("name", ["mtp", "eagle3", "dflash", "dspark", "dflash2"])
 def test_training_step_under_bf16_autocast_matches_fp32(tiny_llama_dir, tmp_path, name):
     torch.manual_seed(0)
-    info, drafter = _drafter(name, tiny_llama_dir, tmp_path)
+    info, drafter = small_drafter(name, tiny_llama_dir, tmp_path)
     drafter.train()
     head = TargetHead(info)
     batch = _batch(info, drafter.feature_spec().layer_ids)

@@ -152,3 +152,40 @@ def test_flex_cuda_equals_reference(window, causal):
         outs.append([out, *torch.autograd.grad(out, (q, k, v), g)])
     for a, b in zip(*outs):  # bf16 kernels with different tiling: ~1e-2 absolute on O(1) values
         torch.testing.assert_close(b.float(), a.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+@pytest.mark.parametrize("seed", range(2))
+def test_padded_plans_equal_the_unpadded_reference(impl, seed):
+    """core/shapes.py's fixed shapes: an anchor-block plan padded to its anchor bucket, and a packed-causal plan
+    padded to the pack length, give the unpadded reference's outputs and gradients (kernels/attention/static.py)."""
+    from specdistill.core.shapes import StaticShapes
+
+    doc, anchors = random_case(seed, T=160)
+    B, static = 4, StaticShapes(tokens=192, pad=True)
+    Q = anchors.numel() * B
+    padded = anchor_block_plan(doc, anchors, B, 7, True, impl=impl, static=static)
+    assert padded.padded == static.anchors(anchors.numel()) * B > Q
+    assert_paths_agree(anchor_block_plan(doc, anchors, B, 7, True, impl="reference"), padded, Q, doc.numel() + Q)
+    causal = packed_causal_plan(doc, 5, impl=impl, static=static)
+    assert causal.padded == 192
+    assert_paths_agree(packed_causal_plan(doc, 5, impl="reference"), causal, doc.numel(), doc.numel())
+    assert len(static.seen) == 2
+
+
+def test_padded_flex_plan_forward_equals_the_reference():
+    """The flex mask_mods over padded anchors (position 0: no context) and a padding document (eager forward on CPU;
+    CUDA runs the same mask compiled)."""
+    from specdistill.core.shapes import StaticShapes
+
+    doc, anchors = random_case(1, T=160)
+    B, static = 4, StaticShapes(tokens=192, pad=True)
+    Q = anchors.numel() * B
+    q, k, v = (t.detach() for t in qkv(Q, doc.numel() + Q)[:3])
+    want = anchor_block_plan(doc, anchors, B, None, False, impl="reference")(q, k, v, D_HEAD**-0.5)
+    got = anchor_block_plan(doc, anchors, B, None, False, impl="flex", static=static)(q, k, v, D_HEAD**-0.5)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    q, k, v = (t.detach() for t in qkv(doc.numel(), doc.numel())[:3])
+    want = packed_causal_plan(doc, None, impl="reference")(q, k, v, D_HEAD**-0.5)
+    got = packed_causal_plan(doc, None, impl="flex", static=static)(q, k, v, D_HEAD**-0.5)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)

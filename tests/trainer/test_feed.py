@@ -129,3 +129,31 @@ def test_the_queue_holds_prefetch_steps_and_close_stops_a_blocked_feed():
 def test_prefetch_must_be_positive():
     with pytest.raises(ValueError, match="trainer.prefetch_steps=0"):
         feed(FakeServer(), rows(2), prefetch=0)
+
+
+def test_rows_of_varying_length_give_only_the_planned_shapes_when_padded():
+    """Fixed shapes (core/shapes.py): packs of rows of any length come out laid over the token budget, and the
+    anchor-block attention of every pack (DFlash's anchors: its response tokens) sees one of the planned shapes."""
+    from specdistill.core.shapes import StaticShapes, anchor_bucket
+    from specdistill.kernels.attention import anchor_block_plan
+
+    g = torch.Generator().manual_seed(0)
+    budget, B, max_anchors = 1024, 8, 256
+    data = []
+    for i in range(60):
+        n, r = int(torch.randint(60, 400, (1,), generator=g)), int(torch.randint(2, 60, (1,), generator=g))
+        data.append(TokenizedRow(i, tuple(range(n)), (0,) * (n - r) + (1,) * r))
+    static = StaticShapes(tokens=budget, pad=True)
+    with feed(FakeServer(), data, token_budget=budget, max_epochs=1, pad_to=budget) as f:
+        packs = [p for item in drain(f) if not isinstance(item, EpochEnd) for p in item]
+    real = [p.num_real_tokens for p in packs]
+    assert {p.num_tokens for p in packs} == {budget} and sum(real) == sum(len(r.input_ids) for r in data)
+    assert len(set(real)) > 1  # the packs' own lengths vary
+    for p in packs:
+        pad_doc = p.document_ids_T[-1]
+        assert not p.loss_mask_T[p.document_ids_T == pad_doc].any() and int(pad_doc) == len(p.row_ids)
+        anchors = torch.nonzero(p.loss_mask_T).squeeze(-1)[:max_anchors]
+        anchor_block_plan(p.document_ids_T, anchors, B, None, False, impl="chunked", static=static)
+    planned = {("anchor_block", b * B, budget + b * B, B, None, False)
+               for b in {anchor_bucket(n) for n in range(max_anchors + 1)}}
+    assert static.seen <= planned and 1 <= static.count < len(packs)

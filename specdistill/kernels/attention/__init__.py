@@ -6,6 +6,11 @@ Build a plan once per batch (the mask, or the chunking, is shared by every layer
     out_QHd = plan(q_HQd, k_HKd, v_HKd, scale)
 
 impl: "auto" (CUDA -> compiled flex_attention, else chunked SDPA), "flex", "chunked", "reference".
+
+static: the run's few fixed shapes (specdistill/core/shapes.py StaticShapes, passed through from the pack): the plans
+pad their query blocks (anchors to a bucket, EAGLE-3's pairs to the pack length) so that a compiled kernel sees only
+those shapes, and record each shape they give it. The padding is invisible to the caller: real queries never see a
+padded key, and the outputs of padded queries are dropped (static.py).
 """
 
 import torch
@@ -14,6 +19,7 @@ from specdistill.kernels.attention.chunked import ChunkPlan, documents_are_conti
 from specdistill.kernels.attention import chunked, flex
 from specdistill.kernels.attention.reference import anchor_block_mask, masked_attention
 from specdistill.kernels.attention.reference_packed import packed_causal_mask
+from specdistill.kernels.attention.static import PaddedQueries, pad_anchors, pad_documents
 
 IMPLS = ("auto", "flex", "chunked", "reference")
 
@@ -43,8 +49,17 @@ def _resolve(impl: str, document_ids_T: torch.Tensor) -> str:
 
 
 def anchor_block_plan(document_ids_T, anchors_N, block_size: int, sliding_window: int | None = None,
-                      causal_in_block: bool = False, impl: str = "auto"):
+                      causal_in_block: bool = False, impl: str = "auto", static=None):
     """Plan for DFlash-family attention: queries = N blocks of B, keys = [context T ; blocks N*B]."""
+    if static is not None:
+        T, N, bucket = document_ids_T.shape[0], anchors_N.shape[0], static.anchors(anchors_N.shape[0])
+        static.record("anchor_block", bucket * block_size, (T if static.pad else static.tokens) + bucket * block_size,
+                      block_size, sliding_window, causal_in_block)
+        static.count_queries(N * block_size, bucket * block_size)
+        if static.pad:
+            inner = anchor_block_plan(document_ids_T, pad_anchors(anchors_N, bucket), block_size, sliding_window,
+                                      causal_in_block, impl)
+            return PaddedQueries(inner, N * block_size, bucket * block_size)
     impl = _resolve(impl, document_ids_T)
     if impl == "reference":
         return ReferencePlan(anchor_block_mask(document_ids_T, anchors_N, block_size, sliding_window, causal_in_block))
@@ -55,8 +70,18 @@ def anchor_block_plan(document_ids_T, anchors_N, block_size: int, sliding_window
     return flex.FlexPlan(mod, Q, T + Q, document_ids_T.device)
 
 
-def packed_causal_plan(document_ids_T, sliding_window: int | None = None, impl: str = "auto"):
-    """Plan for causal attention inside each packed document (EAGLE-3 / MTP): queries = keys = T tokens."""
+def packed_causal_plan(document_ids_T, sliding_window: int | None = None, impl: str = "auto", static=None):
+    """Plan for causal attention inside each packed document (EAGLE-3's pairs): queries = keys = T tokens (with
+    `static`, padded to static.tokens)."""
+    if static is not None:
+        T = document_ids_T.shape[0]
+        if static.pad and T > static.tokens:
+            raise ValueError(f"packed causal attention over {T} positions, more than the run's fixed "
+                             f"{static.tokens} (trainer.token_budget)")
+        static.record("packed_causal", static.tokens, static.tokens, sliding_window)
+        if static.pad and T < static.tokens:
+            inner = packed_causal_plan(pad_documents(document_ids_T, static.tokens), sliding_window, impl)
+            return PaddedQueries(inner, T, static.tokens)
     impl = _resolve(impl, document_ids_T)
     if impl == "reference":
         return ReferencePlan(packed_causal_mask(document_ids_T, sliding_window))

@@ -1,0 +1,98 @@
+"""Packs to a CUDA trainer: assembled in pinned host buffers, copied on a side stream ahead of the step, cast there.
+
+A feature byte crosses host memory once on the trainer's side: the feed copies each sample out of its worker's
+shared-memory ring into its pack's buffer (core/batch.py PackAssembler), and that buffer is page-locked, so the copy
+to the GPU is a DMA that needs no staging copy by the driver. The copy is issued from the feed thread on a side
+stream as soon as the pack is complete, so it overlaps the step running on the default stream; the step's stream
+waits on the copy's event, and the states are cast to the training dtype on the device. A blocking `.to(device,
+float32)` of a pageable bf16 pack instead converts on the host (a second, twice as large buffer), then stages it
+through pinned memory (a third copy), on the thread that launches the step (docs/scaling.md, "Host copies").
+
+The pool holds a buffer per pack being assembled plus the ones whose copy has not finished: it grows to what the
+feed needs at once and then reuses (`PinnedBuffers.allocated`, `.bytes`; docs/scaling.md counts it).
+"""
+
+import threading
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdistill.core.batch import PackedBatch
+
+
+class PinnedBuffers:
+    """Page-locked pack buffers (PackAssembler's `buffers` hook), reused once the copy that read them is done."""
+
+    def __init__(self):
+        self._free: list[tuple[tuple, dict, torch.cuda.Event]] = []  # (shape key, buffers, the copy that read them)
+        self._lent: dict[int, tuple[tuple, dict]] = {}  # hidden buffer's address -> (shape key, buffers)
+        self._lock = threading.Lock()
+        self.allocated = 0
+        self.bytes = 0
+
+    def __call__(self, tokens: int, layers: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        key = (tokens, layers, hidden, dtype)
+        with self._lock:
+            reusable = next((i for i, (k, _, _) in enumerate(self._free) if k == key), None)
+            if reusable is not None:
+                _, buffers, copied = self._free.pop(reusable)
+            else:
+                copied, buffers = None, self._new(key)
+            self._lent[buffers["hidden_TLD"].data_ptr()] = (key, buffers)
+        if copied is not None:
+            copied.synchronize()  # the DMA that read it must be done before the feed writes into it again
+        return buffers
+
+    def _new(self, key: tuple) -> dict[str, torch.Tensor]:
+        tokens, layers, hidden, dtype = key
+        buffers = {"input_ids_T": torch.empty(tokens, dtype=torch.int64, pin_memory=True),
+                   "loss_mask_T": torch.empty(tokens, dtype=torch.bool, pin_memory=True),
+                   "hidden_TLD": torch.empty(tokens, layers, hidden, dtype=dtype, pin_memory=True)}
+        self.allocated += 1
+        self.bytes += sum(t.numel() * t.element_size() for t in buffers.values())
+        return buffers
+
+    def release(self, batch: PackedBatch, copied: torch.cuda.Event) -> None:
+        """The pack's buffers go back to the pool; they are handed out again once `copied` has completed."""
+        with self._lock:
+            key, buffers = self._lent.pop(batch.hidden_TLD.data_ptr())
+            self._free.append((key, buffers, copied))
+
+
+@dataclass
+class StagedPack:
+    """A pack whose copy to the device was issued on the copier's stream; `ready()` orders the current stream
+    after it and returns the device pack."""
+
+    batch: PackedBatch
+    copied: torch.cuda.Event
+
+    def ready(self) -> PackedBatch:
+        stream = torch.cuda.current_stream(self.batch.hidden_TLD.device)
+        stream.wait_event(self.copied)
+        for tensor in self.batch.tensors().values():
+            tensor.record_stream(stream)  # allocated on the side stream, used and freed on this one
+        return self.batch
+
+
+class DeviceCopier:
+    """Issues each complete pack's host-to-device copy on a side stream (called from the feed thread)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = PinnedBuffers()
+
+    def stage(self, batch: PackedBatch) -> StagedPack:
+        with torch.cuda.stream(self.stream):
+            moved = {name: t.to(self.device, non_blocking=True) for name, t in batch.tensors().items()}
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        self.pool.release(batch, copied)
+        return StagedPack(replace(batch, **moved), copied)
+
+
+def on_device(item: "PackedBatch | StagedPack", device: torch.device, dtype: torch.dtype) -> PackedBatch:
+    """A feed item as the step takes it: on `device`, states in `dtype` (cast on the device)."""
+    batch = item.ready() if isinstance(item, StagedPack) else item
+    return batch.to(device, dtype)

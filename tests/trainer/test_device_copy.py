@@ -1,0 +1,54 @@
+"""Packs to a CUDA trainer (specdistill/trainer/device_copy.py): assembled in pinned buffers that are reused once
+their copy is done, copied on a side stream, equal on the device to what was assembled. GPU only: pinned memory
+and streams need a CUDA device (bench/gpu_check.sh runs these); the CPU path is the host pack itself."""
+
+import pytest
+import torch
+
+from specdistill.core.batch import PackAssembler
+from specdistill.core.contract import FeatureSample, TokenizedRow
+from specdistill.core.rows import as_rows
+from specdistill.trainer.device_copy import DeviceCopier, on_device
+
+LAYERS, D = (1, 2), 8
+
+
+def _stream(rows):
+    g = torch.Generator().manual_seed(0)
+    for r in rows:
+        yield FeatureSample(r.row_id, torch.tensor(r.input_ids), torch.tensor(r.loss_mask).bool(),
+                            torch.randn(len(r.input_ids), len(LAYERS), D, generator=g).bfloat16())
+
+
+def _rows(n=10):
+    return as_rows([TokenizedRow(i, tuple(range(3 + i)), (0, 0) + (1,) * (1 + i)) for i in range(n)])
+
+
+def test_a_host_pack_is_cast_where_it_is():
+    rows = _rows(2)
+    pack = PackAssembler(rows, [2], LAYERS, pad_to=32)
+    batch = [b for s in _stream(rows) if (b := pack.add(s)) is not None][0]
+    moved = on_device(batch, torch.device("cpu"), torch.float32)
+    assert moved.hidden_TLD.dtype == torch.float32 and moved.num_tokens == 32 and moved.num_real_tokens == 7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and CUDA streams need a CUDA device")
+def test_packs_copied_from_reused_pinned_buffers_equal_the_assembled_ones():
+    device = torch.device("cuda")
+    copier = DeviceCopier(device)
+    rows = _rows(10)
+    assembler = PackAssembler(rows, [2] * 5, LAYERS, pad_to=64, buffers=copier.pool)
+    staged, expected = [], []
+    for sample in _stream(rows):
+        pack = assembler.add(sample)
+        if pack is not None:
+            expected.append({k: t.clone() for k, t in pack.tensors().items()})  # before the buffers are reused
+            assert pack.hidden_TLD.is_pinned()
+            staged.append(copier.stage(pack))
+    assert len(staged) == 5 and copier.pool.allocated <= 2  # packs complete one at a time: the buffers come back
+    for item, want in zip(staged, expected):
+        got = on_device(item, device, torch.float32)
+        assert got.hidden_TLD.device.type == "cuda" and got.hidden_TLD.dtype == torch.float32
+        for key, tensor in want.items():
+            torch.testing.assert_close(getattr(got, key).cpu(), tensor.to(getattr(got, key).dtype), msg=key)
