@@ -50,21 +50,21 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
     from specdistill.data.formats import load_rows
     from specdistill.feature_server.config import FeatureServerConfig
     from specdistill.feature_server.server import FeatureServer
-    from specdistill.evaluation.acceptance import stages_by_row_id
     from specdistill.evaluation.served import evaluate_as_served
     from specdistill.evaluation.reload import load_run
 
     target_dir = target_dir or run_target(run_dir)
     drafter, head, info = load_run(run_dir, target_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
-    rows, skips = load_rows(rows_path, tokenizer, info.max_position_embeddings)
+    stages: dict[int, str] = {}  # row id -> stage, numbered as the rows are (a conversation's turns each a row)
+    rows, skips = load_rows(rows_path, tokenizer, info.max_position_embeddings, stages=stages)
     rows = rows[:max_rows] if max_rows else rows
     if not rows:
         raise ValueError(f"{rows_path}: no usable rows ({skips.summary()})")
     spec = drafter.feature_spec()
     with FeatureServer(str(target_dir), spec, rows, FeatureServerConfig(workers=1)) as server:
         report = evaluate_as_served(drafter, head, server, spec.layer_ids, torch.device("cpu"),
-                                    stages=stages_by_row_id(rows_path), temperature=temperature,
+                                    stages=stages, temperature=temperature,
                                     draft_mode=draft_mode, seed=seed, max_generated=max_tokens)
     return drafter.name, report
 

@@ -1,4 +1,5 @@
-"""Data at the mission's scale (not a test): `python bench/data.py [--small 20000] [--large 200000]`.
+"""Data at the mission's scale (not a test): `python bench/data.py [--small 20000] [--large 200000]`, or
+`python bench/data.py --one-row-group 50000 [--processes 2]`.
 
 Builds mission-shaped datasets at two sizes and measures what a run pays for its data, in fresh processes as a
 trainer rank would:
@@ -18,6 +19,11 @@ Last lines (`name: value`):
   trainer_rss_mb_small / trainer_rss_mb_large        RssAnon of a rank after the walk
   rss_growth_per_100k_rows_mb  (large - small) / (rows difference / 100k) (goal <= 50: the index only)
   pack_fill                    real tokens / pack tokens of the planned epoch at 32,768 (goal >= 0.95)
+--one-row-group N measures one thing instead: N mission-shaped chat rows written as a Parquet file of ONE row group
+(what pyarrow writes by default up to ~1M rows) and tokenized into a token store by --processes processes, as a
+run's first start does (load_selected, data.tokenize_workers); last lines:
+  one_row_group_rows_per_s / one_row_group_tokens_per_s   store rows (= input rows here) and tokens per second
+  one_row_group_processes      processes the build used (meta.json build_processes)
 """
 
 import argparse
@@ -68,7 +74,19 @@ def write_pretokenized_parquet(path: Path, store_dir: Path, rows: int) -> None:
     writer.close()
 
 
-def start_once(path: Path, tok_dir: Path, cache: Path, walk: bool) -> dict:
+def write_chat_parquet_one_row_group(path: Path, rows: int, prompt_tokens: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from specdistill.data.workload import generate_rows
+
+    table = pa.concat_tables(pa.Table.from_pylist(generate_rows(min(2600, rows - start), seed=start,
+                                                                prompt_tokens=prompt_tokens, prompt_spread=0.3))
+                             for start in range(0, rows, 2600))
+    pq.write_table(table, str(path), row_group_size=rows)  # one row group
+
+
+def start_once(path: Path, tok_dir: Path, cache: Path, walk: bool, processes: int | None = None) -> dict:
     """One fresh process: open (or build) the store, select rows for PACK-token packs, plan rank 0 of 2's epoch;
     with `walk`, build the ledger over the planned stream and read every row once. Returns its figures."""
     code = f"""
@@ -79,13 +97,14 @@ from specdistill.data.selection import load_selected
 from specdistill.data.packing import plan_packs, pack_fill
 from specdistill.feature_server.ledger import shard_rows, SampleLedger
 from specdistill.core.contract import FeatureSpec
-rows, report, store = load_selected({str(path)!r}, {str(tok_dir)!r}, {str(cache)!r}, {PACK}, DataConfig(), progress=False)
+rows, report, store = load_selected({str(path)!r}, {str(tok_dir)!r}, {str(cache)!r}, {PACK}, DataConfig(tokenize_workers={processes!r}), progress=False)
 mine = shard_rows(rows, 0, 2)
 packs = plan_packs(mine.num_tokens, {PACK})
 ordered = mine.take(np.concatenate(packs))
 ready_s = time.perf_counter() - t0
 out = {{"ready_s": ready_s, "rows": len(rows), "skipped": report.skipped, "fill": pack_fill(mine.num_tokens, packs, {PACK}),
-        "tokens": int(rows.num_tokens.sum()), "build": store.meta["tokens_per_s"], "build_processes": store.meta["build_processes"]}}
+        "tokens": int(rows.num_tokens.sum()), "build": store.meta["tokens_per_s"], "build_processes": store.meta["build_processes"],
+        "build_rows_per_s": store.meta["rows"] / store.meta["build_seconds"]}}
 if {walk}:
     ledger = SampleLedger(FeatureSpec((1,)), ordered)
     consumed = set()
@@ -110,8 +129,14 @@ def main() -> None:
     ap.add_argument("--large", type=int, default=200_000)
     ap.add_argument("--prompt-tokens", type=int, default=5000, help="median prompt length")
     ap.add_argument("--dir", help="work directory (default: a temporary one, removed after)")
+    ap.add_argument("--one-row-group", type=int, metavar="N",
+                    help="only: tokenize N chat rows from a one-row-group Parquet file (see the docstring)")
+    ap.add_argument("--processes", type=int, default=2, help="--one-row-group: data.tokenize_workers")
     a = ap.parse_args()
     from specdistill.launch.tokenizer import save_tokenizer, workload_tokenizer
+
+    if a.one_row_group:
+        return one_row_group(a)
 
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
         root = Path(tmp)
@@ -146,6 +171,26 @@ def main() -> None:
     print(f"trainer_rss_mb_large: {restart_large['rss_anon_mb']:.1f}")
     print(f"rss_growth_per_100k_rows_mb: {growth:.1f}")
     print(f"pack_fill: {restart_small['fill']:.4f}")
+
+
+def one_row_group(a) -> None:
+    from specdistill.launch.tokenizer import save_tokenizer, workload_tokenizer
+
+    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+        root = Path(tmp)
+        tok_dir = root / "tokenizer"
+        tok_dir.mkdir()
+        save_tokenizer(workload_tokenizer(), tok_dir)
+        path = root / "one.parquet"
+        t0 = time.perf_counter()
+        write_chat_parquet_one_row_group(path, a.one_row_group, a.prompt_tokens)
+        print(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB, {a.one_row_group} rows, one row group) in "
+              f"{time.perf_counter() - t0:.0f} s")
+        r = start_once(path, tok_dir, root / "cache", walk=False, processes=a.processes)
+    print(f"one_row_group: {r['rows']} rows, {r['tokens'] / 1e6:.1f} M tokens; first start {r['ready_s']:.1f} s")
+    print(f"one_row_group_rows_per_s: {r['build_rows_per_s']:.1f}")
+    print(f"one_row_group_tokens_per_s: {r['build']:.0f}")
+    print(f"one_row_group_processes: {r['build_processes']}")
 
 
 if __name__ == "__main__":

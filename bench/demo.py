@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from bench.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
+from specdistill.evaluation.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
 from bench.vllm_acceptance import identical_prefixes, served_vs_offline  # noqa: E402
 from specdistill.core.run_dir import RunDir  # noqa: E402
 from specdistill.data.formats import load_rows  # noqa: E402

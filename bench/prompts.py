@@ -6,10 +6,15 @@ import json
 from pathlib import Path
 
 
-def read_prompts(path: str | Path, tokenizer=None, n: int | None = None) -> tuple[list[list[int]], list[str | None]]:
+def read_prompts(path: str | Path, tokenizer=None, n: int | None = None,
+                 chat_template_kwargs: dict | None = None) -> tuple[list[list[int]], list[str | None]]:
     """(prompt ids, stage) of the first n rows: pre-tokenized rows (everything before the first loss token; rows
-    without a response are skipped) or chat rows (the chat template of all messages but the last, as
-    specdistill/data/synthetic.py builds them; needs `tokenizer`)."""
+    without a response are skipped) or chat rows (all messages but the last, rendered as training and
+    specdistill/data/synthetic.py render a prompt - specdistill/data/chat.py, with the run's
+    data.chat_template_kwargs; needs `tokenizer`)."""
+    from specdistill.data.chat import ChatFormat
+
+    chat = ChatFormat(tokenizer, chat_template_kwargs) if tokenizer is not None else None
     prompts, stages = [], []
     with Path(path).open() as f:
         for lineno, line in enumerate(f, 1):
@@ -20,9 +25,8 @@ def read_prompts(path: str | Path, tokenizer=None, n: int | None = None) -> tupl
                 if 1 not in row["loss_mask"]:
                     continue
                 prompts.append(row["input_ids"][: row["loss_mask"].index(1)])
-            elif "messages" in row and tokenizer is not None:
-                text = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
-                prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            elif "messages" in row and chat is not None:
+                prompts.append(chat.prompt_ids(row["messages"][:-1], row.get("tools")))
             else:
                 raise ValueError(f"{path}:{lineno}: expected fields input_ids + loss_mask (specdistill/data/synthetic.py) or "
                                  f"messages (specdistill/data/workload.py, with a tokenizer); keys present: {sorted(row)}")

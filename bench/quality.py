@@ -1,16 +1,20 @@
 """Drafter quality on the realistic target (a benchmark, not a test):
 
     python bench/quality.py [--quick] [--drafters dflash,dflash2,dspark,eagle3] [--steps N] [--set KEY=VALUE ...]
-                           [--out outputs/quality]
+                           [--separate] [--out outputs/quality]
 
-For each drafter, on `target=small-real` (specdistill/launch/small_real.py) with `data=corpus` (self-distilled rows: real text
-prompts, the target's greedy continuations), it runs the main job twice through the CLI, as a user would:
-  real      `specdistill-train drafter=NAME target=small-real data=corpus` with the defaults, bounded by steps
-  ablation  the same with `trainer.feature_ablation=zero` (the drafter's target states replaced by zeros), for 40%
-            of the steps, compared with the real run's held-out point at that step
+On `target=small-real` (specdistill/launch/small_real.py) with `data=corpus` (self-distilled rows: real text prompts,
+the target's greedy continuations), it trains every drafter twice, through the CLI as a user would:
+  real      the drafter with its defaults, bounded by steps
+  ablation  the same with `trainer.feature_ablation=zero` (the drafter's target states replaced by zeros)
+By default all of them in ONE run (`drafters=[dflash,{drafter:dflash,name:dflash_zero,trainer:{feature_ablation:
+zero}},...]`: one prefill of the rows for every drafter and ablation, README.md "Several drafters in one run"), each
+trained --steps (default the fewest FULL_STEPS of the drafters asked for), the ablation at the same steps.
+--separate: the old way, a run per drafter (FULL_STEPS each) and per ablation (40% of the steps, compared with the
+real run's held-out point at that step); also what --set drafter.X=... and --warm-start need.
 and reads each run's metrics.json: held-out tau and a_k (the exported weights, walked on the held-out rows as vLLM
 would serve them) and the held-out curve. The model-free baselines run on the same held-out rows: a bigram table
-counted over the training rows, and prompt-lookup n-grams (bench/baselines.py). A PNG of held-out tau against
+counted over the training rows, and prompt-lookup n-grams (specdistill/evaluation/baselines.py). A PNG of held-out tau against
 training tokens and against minutes of training steps goes to OUT/quality.png, the table to OUT/quality.json. Per
 drafter it also prints the last held-out point taken within 30 minutes of training steps on this machine (the
 issue's time budget; `within_30_min` in quality.json; feature waits and held-out walks are not counted). Last lines,
@@ -47,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from bench.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
+from specdistill.evaluation.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
 from specdistill.core.run_dir import RunDir  # noqa: E402
 from specdistill.data.formats import load_rows  # noqa: E402
 from specdistill.launch.config import DataConfig, TargetConfig  # noqa: E402
@@ -149,7 +153,8 @@ def train(drafter: str, run_dir: Path, steps: int, quick: bool, extra: list[str]
     only when its resolved config (run_info.json) is the one asked for; otherwise this refuses, naming the keys
     that differ, rather than reprint another run's figures as this one's."""
     data = data_overrides(quick, committed) if data is None else data
-    overrides = [f"drafter={drafter}", f"target={target}", *data, f"trainer.max_steps={steps}",
+    selector = drafter if drafter.startswith("drafters=") else f"drafter={drafter}"  # a shared run's entries
+    overrides = [selector, f"target={target}", *data, f"trainer.max_steps={steps}",
                  "trainer.progress=false", *extra]
     run = RunDir(run_dir)
     if run.metrics.is_file():
@@ -215,6 +220,17 @@ def plot(results: dict, base: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def train_shared(names: list[str], run_dir: Path, steps: int, a, committed: bool) -> dict:
+    """Every drafter and its ablation in one run (one prefill): {name: {"real": metrics, "ablation": metrics}}, each
+    the run's fields with the drafter's own (metrics.json `drafters.<name>`)."""
+    entries = [e for n in names for e in (n, f"{{drafter:{n},name:{n}_zero,trainer:{{feature_ablation:zero}}}}")]
+    every = [f"trainer.eval_every={max(1, steps // 5)}"]
+    m = train(f"drafters=[{','.join(entries)}]", run_dir, steps, a.quick, [*a.set, *every], committed=committed)
+    run = {k: v for k, v in m.items() if k not in ("drafters", "baselines")}
+    return {n: {"real": {**run, **m["drafters"][n]}, "ablation": {**run, **m["drafters"][f"{n}_zero"]}}
+            for n in names}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -222,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps for every drafter (default: FULL_STEPS)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     ap.add_argument("--mtp", action="store_true", help="also MTP, on tiny-qwen3-next (see above)")
+    ap.add_argument("--separate", action="store_true", help="a run per drafter and per ablation (see above)")
     ap.add_argument("--warm-start", type=int, default=0, metavar="B",
                     help="also a B-step run and a run of the same steps started from its export (see above)")
     ap.add_argument("--data", choices=("corpus", "committed"), default="corpus", help="see above")
@@ -244,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         resolve_data(DataConfig(source="corpus", rows=size["rows"], heldout_rows=size["heldout_rows"],
                                 prompt_tokens=320, prompt_min_tokens=96, max_new_tokens=64), target_dir, cache))
     results = {}
-    for name in filter(None, a.drafters.split(",")):  # --drafters "" --mtp: MTP and the baselines only
+    names = list(filter(None, a.drafters.split(",")))
+    separate = a.separate or a.warm_start or any(o.startswith("drafter.") for o in a.set)
+    if names and not separate:
+        steps = a.steps or (QUICK["steps"] if a.quick else min(FULL_STEPS[n] for n in names))
+        results = train_shared(names, out / "shared", steps, a, committed)
+        names = []
+    for name in names:  # --separate (or --drafters "" --mtp: MTP and the baselines only)
         steps = a.steps or (QUICK["steps"] if a.quick else FULL_STEPS[name])
         every = [f"trainer.eval_every={max(1, steps // 5)}"]  # a held-out point at the ablation's last step
         results[name] = {"real": train(name, out / name, steps, a.quick, [*a.set, *every], committed=committed),

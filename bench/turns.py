@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.turn_format import Call, Turn, read_turns, turns_from_rows, write_turns  # noqa: E402
+from specdistill.data.chat import ChatFormat  # noqa: E402
 
 MODEL_NAME = "target"  # --served-model-name: requests name the model, not its path
 
@@ -49,10 +50,15 @@ class CallResult:
     broken_json: bool | None  # None: no JSON expected
 
 
-def complete(base_url: str, call: Call, timeout_s: float = 300.0) -> str:
-    """One greedy /v1/completions request on token ids; the response text."""
-    body = json.dumps({"model": MODEL_NAME, "prompt": call.prompt_token_ids, "max_tokens": call.max_tokens,
-                       "temperature": 0.0}).encode()
+def complete(base_url: str, call: Call, timeout_s: float = 300.0, stop_token_ids: list[int] | None = None) -> str:
+    """One greedy /v1/completions request on token ids; the response text. stop_token_ids: the target's stops
+    (specdistill/data/chat.py ChatFormat.stop_ids: eos and the template's end of turn, which vLLM's completions
+    endpoint does not stop on by itself)."""
+    request_body = {"model": MODEL_NAME, "prompt": call.prompt_token_ids, "max_tokens": call.max_tokens,
+                    "temperature": 0.0}
+    if stop_token_ids:
+        request_body["stop_token_ids"] = stop_token_ids
+    body = json.dumps(request_body).encode()
     request = urllib.request.Request(f"{base_url}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.loads(response.read())["choices"][0]["text"]
@@ -319,15 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     turns = load_turns(args)
     users_list = [int(u) for u in args.users.split(",")]
     configs = []
+    stops = sorted(ChatFormat.load(args.target).stop_ids)  # the one source of stop tokens (data/chat.py)
     for item in args.method:
         method, drafter_dir = parse_method(item)
         if args.endpoint:
-            send = lambda call, url=args.endpoint.rstrip("/"): complete(url, call)  # noqa: E731
+            send = lambda call, url=args.endpoint.rstrip("/"): complete(url, call, stop_token_ids=stops)  # noqa: E731
             configs += benchmark(turns, send, method, users_list, args.repeats, args.turns_per_user)
             break
         spec = spec_config_for(method, drafter_dir, args.target, args.ngram_k, args.mtp_k)
         with Server(args.target, spec, args.max_model_len) as server:
-            send = lambda call, url=server.url: complete(url, call)  # noqa: E731
+            send = lambda call, url=server.url: complete(url, call, stop_token_ids=stops)  # noqa: E731
             configs += benchmark(turns, send, method, users_list, args.repeats, args.turns_per_user)
     if args.json:
         with open(args.json, "w") as f:

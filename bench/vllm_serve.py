@@ -44,6 +44,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from specdistill.data.chat import ChatFormat  # noqa: E402
 from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine  # noqa: E402
 
 COUNTER_NAMES = {
@@ -235,7 +236,10 @@ def serve(target_dir: str, prompts_token_ids: list[list[int]], max_tokens: int, 
     try:
         resolved = llm.llm_engine.vllm_config.speculative_config
         before = read_counters(llm) if resolved else None
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        # The target's stops (eos and its template's end of turn: data/chat.py, the one source for training,
+        # regeneration and the benches); ignore_eos runs every prompt to max_tokens.
+        stops = None if ignore_eos else sorted(ChatFormat.load(target_dir).stop_ids) or None
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stops)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts_token_ids]
         if timed:  # first-call allocations are not decode speed
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)

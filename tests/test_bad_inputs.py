@@ -87,12 +87,12 @@ def test_non_finite_hidden_states_stop_the_step_naming_step_and_row(small_traine
     second_row = batch.row_ids[1]
     start = int((batch.document_ids_T == 1).nonzero()[0])
     batch.hidden_TLD[start + 2, 0, 5] = poison
-    before = {k: v.clone() for k, v in small_trainer.drafter.state_dict().items()}
+    before = {k: v.clone() for k, v in small_trainer.entries[0].drafter.state_dict().items()}
     state = TrainState(step=3)
     with pytest.raises(FloatingPointError, match=rf"step 4: loss is (nan|inf) on rows .*non-finite target hidden "
                                                  rf"states in rows \[{second_row}\]"):
         small_trainer._step(batch, state)
-    after = small_trainer.drafter.state_dict()
+    after = small_trainer.entries[0].drafter.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # the poisoned update never happened
     assert state.step == 3 and small_trainer.run.latest_checkpoint() is None
     assert not small_trainer.run.checkpoints.exists()

@@ -35,3 +35,14 @@ def test_wrong_type_fails():
 def test_target_path_overrides_name():
     cfg = compose_run(["target.path=/models/x"])
     assert cfg.target.path == "/models/x"
+
+
+def test_gpu1_layout_puts_the_worker_on_the_trainers_gpu():
+    """conf/layout/gpu1.yaml composes through the feature_server schema, whose share_trainer_device is a bool."""
+    cfg = compose_run(["layout=gpu1"])
+    assert (cfg.trainer.ranks, cfg.trainer.device) == (1, "cuda")
+    fs = cfg.feature_server
+    assert (fs.backend, fs.workers, fs.device, fs.share_trainer_device) == ("hf", 1, "cuda", True)
+    assert compose_run([]).feature_server.share_trainer_device is False
+    with pytest.raises(Exception, match="share_trainer_device"):
+        compose_run(["feature_server.share_trainer_device=sometimes"])

@@ -4,6 +4,7 @@ and every `key=value` it gives the train, ray_job or regenerate entry points is 
 
 import importlib.util
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -34,13 +35,21 @@ def quoted_commands() -> list[tuple[str, str, list[str]]]:
                 line = line.rstrip()[:-1] + " " + lines[i]
             for m in COMMAND.finditer(line):
                 args = m.group("args").split("#")[0]
-                args = re.sub(r"\[[^\]]*\]", " ", args)  # [optional] parts: placeholders
+                args = re.sub(r"(?<![=\[,])\[[^\]]*\]", " ", args)  # [optional] parts: placeholders (not key=[a,b])
                 where = f"{doc.relative_to(REPO)}:{start + 1}"
                 if m.group("script"):
                     assert m.group("script") in SCRIPTS, f"{where}: no console script {m.group('script')}"
-                found.append((where, m.group("target") or SCRIPTS[m.group("script")], args.split()))
+                found.append((where, m.group("target") or SCRIPTS[m.group("script")], _split(args)))
             i += 1
     return found
+
+
+def _split(args: str) -> list[str]:
+    """Shell words ('drafters=[a,{b:c}]' is one); an unbalanced quote (prose) falls back to whitespace."""
+    try:
+        return shlex.split(args)
+    except ValueError:
+        return args.split()
 
 
 COMMANDS = quoted_commands()
@@ -64,13 +73,16 @@ def _hydra_problems(args: list[str]) -> list[str]:
 
     from specdistill.launch.config import register_configs
 
-    problems, groups, keys = [], [], []
+    problems, groups, keys, values = [], [], [], []
     for arg in args:
         if "=" not in arg or arg.startswith(("-", "hydra.", "+")):
             continue
         key, value = arg.split("=", 1)
         if "." in key:
             keys.append(key)
+            continue
+        if not (REPO / "conf" / key).is_dir():  # a top-level key (drafters=[...]): the composed config must take it
+            values.append(arg)
             continue
         for option in value.split(","):  # a sweep: a,b
             if not _is_placeholder(option) and not (REPO / "conf" / key / f"{option}.yaml").is_file():
@@ -79,10 +91,18 @@ def _hydra_problems(args: list[str]) -> list[str]:
                 groups.append(f"{key}={option}")
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=list(dict.fromkeys(groups)))
+        cfg = compose(config_name="config", overrides=list(dict.fromkeys(groups)) + values)
     for key in keys:
         if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
             problems.append(f"{key}: no such config key")
+    if cfg.drafters:  # every entry names a drafter and its real fields (specdistill/trainer/entries.py)
+        from specdistill.trainer.config import TrainerConfig
+        from specdistill.trainer.entries import resolve_entries
+
+        try:
+            resolve_entries(OmegaConf.to_container(cfg.drafters), None, TrainerConfig())
+        except ValueError as err:
+            problems.append(f"drafters: {err}")
     return problems
 
 

@@ -1,10 +1,21 @@
 """Small helpers every vLLM engine of the project uses (feature extraction, generation, serving checks): the
-engine dtype from a checkpoint, and a shutdown that waits until the engine's processes are gone. vLLM is imported
-inside the functions, so this module loads without it."""
+engine dtype from a checkpoint, the longest row an engine prefills (`max_row_tokens`), and a shutdown that waits until
+the engine's processes are gone. vLLM is imported inside the functions, so this module loads without it."""
 
 import gc
 
 import torch
+
+
+def max_row_tokens(context: int, token_budget: int | None = None) -> int:
+    """The longest row a run trains: what the target can prefill through vLLM, at most `token_budget` (a pack).
+
+    The one rule for the rows the data selection keeps (specdistill/data/selection.py) and the max_model_len the
+    vLLM feature backend asks for (specdistill/feature_server/vllm_backend.py): a prefill-only request still
+    generates one token, which vLLM counts against max_model_len, and max_model_len cannot pass the target's
+    context (max_position_embeddings); so a row has at most context - 1 tokens."""
+    limit = context - 1
+    return limit if token_budget is None else min(token_budget, limit)
 
 
 def target_text_config(target_dir: str):

@@ -1,6 +1,7 @@
 """Data settings: the single place their defaults are stated (conf/data/*.yaml only overrides)."""
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -18,6 +19,17 @@ class DataConfig:
     max_new_tokens: int = 48  # ~45-token responses in production
     generation_backend: str = "auto"  # synthetic and corpus: auto | vllm | hf (specdistill/data/generate.py resolve_backend)
     seed: int = 0
+    # Variables of the target's chat template (a mapping; None = none), for every rendering of a chat row: training,
+    # the synthetic workload's prompts, specdistill-regenerate (its own chat_template_kwargs=) and the serving benches
+    # must pass the same ones, e.g. data.chat_template_kwargs={enable_thinking:false} for Qwen3 served without
+    # thinking. Typed Any so that a whole mapping can be given on the command line (a typed dict would take only
+    # +data.chat_template_kwargs.KEY=VALUE); specdistill/data/chat.py checks it.
+    chat_template_kwargs: Any = None
+    # Which assistant turns of a chat row are trained (one token-store row each): all | last.
+    loss_on: str = "all"
+    # A malformed row (bad JSON, field or chat template error): stop = the build stops naming file, line, field and
+    # message | skip = skip it, counted and named in metrics.json skipped_rows (max_skipped_fraction still applies).
+    bad_rows: str = "stop"
     # A row longer than a pack (trainer.token_budget): left = keep the response and the last prompt tokens that
     # fit | skip. Both are counted (metrics.json skipped_rows); specdistill/data/selection.py.
     truncate: str = "left"

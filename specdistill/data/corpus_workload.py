@@ -5,7 +5,8 @@ the target's own greedy continuations out.
 
 A prompt is a window of a corpus file starting at a line: train rows come from the training files, held-out rows
 from the held-out files (never seen in pretraining, nor by the drafter). The response is what the target generates
-from it (specdistill/data/generate.py, batched), so the drafter learns the target, not the text. Everything is a function of
+from it (specdistill/data/generate.py, batched) up to its stop tokens (specdistill/data/chat.py, the same as every other
+generation's), so the drafter learns the target, not the text. Everything is a function of
 (seed, split, index) and the target. Rows: {"id", "source", "input_ids", "loss_mask", "prompt_text",
 "response_text"}, loss_mask 1 exactly on the generated tokens: ready for `data=jsonl`.
 """
@@ -19,8 +20,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
-
+from specdistill.data.chat import ChatFormat
 from specdistill.data.corpus import CorpusFile, corpus_files, split
 from specdistill.data.generate import GenerationSettings, resolve_backend, respond
 from specdistill.data.synthetic import _write_jsonl
@@ -75,8 +75,8 @@ def make_corpus_workload(target_dir: str | Path, out_dir: str | Path, cfg: Corpu
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backend = resolve_backend(cfg.backend)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
-    stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    chat = ChatFormat.load(target_dir)  # raw text in, but the same stop tokens as every other generation
+    tokenizer, stop_ids = chat.tokenizer, sorted(chat.stop_ids)
     settings = GenerationSettings(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, seed=cfg.seed)
     train_files, heldout_files = split(corpus_files())
     old_threads = torch.get_num_threads()

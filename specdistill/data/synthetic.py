@@ -5,9 +5,12 @@
 
 The responses are the target's own greedy continuations (the drafter learns the target, not the template), from
 specdistill/data/generate.py: vLLM's continuous batching where it is installed (backend=auto), else transformers (batched for
-dense targets; one row at a time for hybrid ones, whose DeltaNet state left padding would corrupt). Output rows:
-{"id", "stage", "input_ids", "loss_mask", "prompt_text", "response_text"}; loss_mask is 1 exactly on the generated
-tokens, including the generated <|im_end|> if the target emitted one.
+dense targets; one row at a time for hybrid ones, whose DeltaNet state left padding would corrupt). A prompt is the
+target's chat template over the turns before the response, with `chat_template_kwargs` (data.chat_template_kwargs),
+as a chat server renders it; generation stops at the target's stop tokens (specdistill/data/chat.py: its eos,
+generation_config.json's, its template's end of turn). Output rows: {"id", "stage", "input_ids", "loss_mask",
+"prompt_text", "response_text"}; loss_mask is 1 exactly on the generated tokens, the stop token included when the
+target emitted one.
 """
 
 import json
@@ -18,12 +21,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
-
+from specdistill.data.chat import ChatFormat
 from specdistill.data.generate import GenerationSettings, resolve_backend, respond
 from specdistill.data.workload import DEFAULT_PROMPT_TOKENS, generate_rows
-
-END_OF_TURN = "<|im_end|>"
 
 
 def _write_jsonl(rows: list[dict], path: Path) -> None:
@@ -34,14 +34,15 @@ def _write_jsonl(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
 
 
-def _replay(target_dir, tokenizer, rows: list[dict], max_new_tokens: int, backend: str, desc: str) -> list[dict]:
-    eos_id = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-    prompt_texts = [tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True)
-                    for r in rows]
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
+def _replay(target_dir, chat, rows: list[dict], max_new_tokens: int, backend: str, desc: str) -> list[dict]:
+    """`chat`: the target's ChatFormat (or its tokenizer: template defaults, no generation_config.json eos)."""
+    chat = chat if isinstance(chat, ChatFormat) else ChatFormat(chat)
+    tokenizer = chat.tokenizer
+    prompt_texts = [chat.prompt_text(r["messages"][:-1]) for r in rows]
+    prompts = [chat.encode(t) for t in prompt_texts]
     with tqdm(total=len(rows), desc=f"{desc} ({backend})", unit="row") as bar:
-        responses = respond(target_dir, prompts, GenerationSettings(max_new_tokens=max_new_tokens), [eos_id],
-                            backend, progress=bar.update)
+        responses = respond(target_dir, prompts, GenerationSettings(max_new_tokens=max_new_tokens),
+                            sorted(chat.stop_ids), backend, progress=bar.update)
     return [{"id": row["id"], "stage": row["stage"], "input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r),
              "prompt_text": text, "response_text": tokenizer.decode(r, skip_special_tokens=True)}
             for row, text, p, r in zip(rows, prompt_texts, prompts, responses)]
@@ -57,12 +58,14 @@ def make_workload(
     seed: int = 0,
     backend: str = "auto",
     prompt_spread: float = 0.0,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[Path, Path]:
     """Write out_dir/train.jsonl (`rows` rows) and out_dir/heldout.jsonl (`heldout` rows, other sessions)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backend = resolve_backend(backend)
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    chat = ChatFormat.load(target_dir, chat_template_kwargs)
+    tokenizer = chat.tokenizer
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -77,13 +80,14 @@ def make_workload(
             prompts = generate_rows(n, seed=seed, split=split, prompt_tokens=prompt_tokens, count_tokens=count_tokens,
                                     prompt_spread=prompt_spread)
             path = out_dir / f"{split}.jsonl"
-            _write_jsonl(_replay(target_dir, tokenizer, prompts, max_new_tokens, backend, desc=split), path)
+            _write_jsonl(_replay(target_dir, chat, prompts, max_new_tokens, backend, desc=split), path)
             paths.append(path)
     finally:
         torch.set_num_threads(threads)
     elapsed = time.perf_counter() - t0
     meta = {"target": str(target_dir), "rows": rows, "heldout": heldout, "max_new_tokens": max_new_tokens,
             "prompt_tokens": prompt_tokens, "prompt_spread": prompt_spread, "seed": seed, "backend": backend,
+            "chat_template_kwargs": chat.kwargs, "stop_token_ids": sorted(chat.stop_ids),
             "seconds": round(elapsed, 2), "rows_per_s": round((rows + heldout) / max(elapsed, 1e-9), 3),
             "argv": sys.argv, "torch": torch.__version__}
     (out_dir / "workload_meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -17,12 +17,11 @@ approximation otherwise. Randomness is seeded per (seed, row_id), so counts do n
 rows stream in.
 
 tau = 1 + mean accepted per step; a_k = fraction of steps whose first k drafts were all accepted.
-Results can be broken down by workload stage (the dataset rows' "stage", see `stages_by_row_id`).
+Results can be broken down by workload stage (the dataset rows' "stage": the token store's `stages_by_row_id`, or
+`load_rows(..., stages=...)` for a small file).
 """
 
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 
@@ -105,25 +104,6 @@ class AcceptanceReport:
     def to_dict(self) -> dict:
         return {"temperature": self.temperature, "draft_mode": self.draft_mode, **self.total.to_dict(),
                 "by_stage": {s: c.to_dict() for s, c in sorted(self.by_stage.items())}}
-
-
-def stages_by_row_id(path: str | Path) -> dict[int, str]:
-    """row_id (0-based line index, as specdistill.data.formats.load_rows counts it) -> the row's "stage"."""
-    stages = {}
-    with Path(path).open() as f:
-        for row_id, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # load_rows skips (and counts) it too
-            stage = row.get("stage", NO_STAGE) if isinstance(row, dict) else NO_STAGE
-            if not isinstance(stage, str):
-                raise ValueError(f"{path}, line {row_id + 1} (row {row_id}), field 'stage': expected a string, "
-                                 f"got {type(stage).__name__} {stage!r}")
-            stages[row_id] = stage
-    return stages
 
 
 # --- the walks --------------------------------------------------------------------------------------------

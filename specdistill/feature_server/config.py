@@ -16,6 +16,9 @@ class FeatureServerConfig:
     batch_tokens: int = 32768
     hidden_dtype: str = DEFAULT_HIDDEN_DTYPE  # what crosses to the trainer (specdistill/core/contract.py)
     device: str = "cpu"  # auto | cpu | cuda: where the target runs (specdistill/trainer/layout.py assigns GPU indices)
+    # true: each trainer rank's workers run on the rank's own device, not on GPUs of their own, so one GPU holds the
+    # whole loop (conf/layout/gpu1.yaml); false: a layout needing more GPUs than the node has is refused.
+    share_trainer_device: bool = False
     dtype: str | None = None  # target compute dtype; None = the checkpoint's
     # A worker that owes rows and sends nothing this long while the trainer waits is hung (a stuck GPU, a
     # deadlocked engine), not slow: it is killed and its rows reissued. Loading the target gets the longer bound.

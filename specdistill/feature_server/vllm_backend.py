@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from specdistill.core.contract import FeatureSpec, TokenizedRow
+from specdistill.core.vllm_engine import max_row_tokens as row_limit
 from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine, target_text_config
 from specdistill.feature_server.backends import FeatureBackend, check_row, sample_layout
 from specdistill.feature_server.shm_transport import ChannelFull, LocalRegion, RegionWriter, ShmProducer
@@ -168,8 +169,9 @@ class VLLMBackend(FeatureBackend):
     [T, len(spec.layer_ids), hidden] tensor (over a private memfd the engine wrote into).
 
     One engine per backend, started in the constructor; call `close()` (or use `with`) to free it. `max_model_len`
-    (default: max_row_tokens + 1, else the target's max_position_embeddings) bounds a row to max_model_len - 1
-    tokens: each row is prefilled in one piece, and vLLM counts the one token a request generates.
+    (default: the longest row `core.vllm_engine.max_row_tokens` allows for the target's context and
+    `max_row_tokens`, + 1 - the rule the data selection keeps rows to) bounds a row to max_model_len - 1 tokens:
+    each row is prefilled in one piece, and vLLM counts the one token a request generates.
     `dtype` is the engine's compute dtype ("float32", "bfloat16"; None = the checkpoint's, see `resolve_dtype`); the
     states are cast to `spec.hidden_dtype` as they are written. `device` must match the platform vLLM detected
     ("cpu" or "cuda").
@@ -179,8 +181,6 @@ class VLLMBackend(FeatureBackend):
                  max_model_len: int | None = None, batch_tokens: int | None = None, max_row_tokens: int | None = None,
                  **engine_kwargs: Any):
         super().__init__(target_dir, spec, device=device, dtype=dtype)
-        # A prefill-only request still asks for one output token, which vLLM counts against max_model_len.
-        max_model_len = max_model_len or (max_row_tokens + 1 if max_row_tokens else None)
         self._llm = None
         dtype = resolve_dtype(target_dir, dtype)
         config = target_text_config(target_dir)
@@ -189,7 +189,9 @@ class VLLMBackend(FeatureBackend):
         self._vocab_size = int(config.vocab_size)
         spec.check_against(self._num_hidden_layers)
         longest = int(config.max_position_embeddings)
-        self.max_model_len = longest if max_model_len is None else min(max_model_len, longest)
+        # A prefill-only request still asks for one output token, which vLLM counts against max_model_len.
+        self.max_model_len = row_limit(longest, max_row_tokens) + 1 if max_model_len is None else \
+            min(max_model_len, longest)
         _check_device(device)
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from specdistill.data.config import DataConfig
 from specdistill.drafters import DRAFTERS
@@ -29,6 +29,8 @@ class TargetConfig:
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: Any = MISSING
+    # drafters=[...]: several drafters from one prefill (specdistill/trainer/entries.py); empty: the one `drafter`
+    drafters: list[Any] = field(default_factory=list)
     feature_server: FeatureServerConfig = field(default_factory=FeatureServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -36,7 +38,15 @@ class RunConfig:
     cache_dir: str = MISSING  # tiny targets and synthetic data are built here once (conf/config.yaml)
 
 
+def run_name(drafter_name: str, drafters) -> str:
+    """hydra.run.dir's drafter part (conf/config.yaml): the drafter, or the entries' names or kinds joined by '+'."""
+    if not drafters:
+        return drafter_name
+    return "+".join(e if isinstance(e, str) else str(e.get("name") or e.get("drafter")) for e in drafters)
+
+
 def register_configs() -> None:
+    OmegaConf.register_new_resolver("run_name", run_name, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     cs.store(group="target", name="target_schema", node=TargetConfig)

@@ -64,6 +64,8 @@ def resolve_data(cfg: DataConfig, target_dir: Path, cache_dir: Path) -> tuple[Pa
         settings = ["corpus", *settings, cfg.prompt_min_tokens]
     elif cfg.prompt_spread:
         settings.append(cfg.prompt_spread)
+    if cfg.source == "synthetic" and cfg.chat_template_kwargs:  # they change the prompts (keys without them stay)
+        settings.append(dict(cfg.chat_template_kwargs))
     key = json.dumps([target_fingerprint(target_dir), *settings])
     out_dir = cache_dir / "workloads" / hashlib.sha256(key.encode()).hexdigest()[:12]
     train, heldout = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
@@ -83,4 +85,5 @@ def _make_data(cfg: DataConfig, backend: str, target_dir: Path, out_dir: Path) -
             backend=backend))
     return make_workload(target_dir, out_dir, rows=cfg.rows, heldout=cfg.heldout_rows,
                          prompt_tokens=cfg.prompt_tokens, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
-                         backend=backend, prompt_spread=cfg.prompt_spread)
+                         backend=backend, prompt_spread=cfg.prompt_spread,
+                         chat_template_kwargs=cfg.chat_template_kwargs)

@@ -66,12 +66,12 @@ class NodeBundles:
     def from_config(cls, cfg: DictConfig, node_gpus: int) -> "NodeBundles":
         t, fs = cfg.trainer, cfg.feature_server
         try:  # the same plan (and checks) each rank makes again on its node
-            plan = plan_node(t.ranks, fs.workers, t.device, fs.device, node_gpus)
+            plan = plan_node(t.ranks, fs.workers, t.device, fs.device, node_gpus, fs.share_trainer_device)
         except RuntimeError as err:
             raise RuntimeError(f"Ray cluster (at most {node_gpus} GPUs per node): {err}") from None
         trainer_bundle = {"CPU": 1.0, "GPU": 1.0} if plan.trainer_devices[0].startswith("cuda") else {"CPU": 1.0}
         worker_bundle = {"CPU": float(fs.threads_per_worker)}
-        if plan.worker_devices[0][0].startswith("cuda"):
+        if plan.worker_devices[0][0].startswith("cuda") and not fs.share_trainer_device:  # shared: the rank's GPU
             worker_bundle["GPU"] = 1.0
         return cls(plan.ranks, plan.workers, trainer_bundle, worker_bundle)
 

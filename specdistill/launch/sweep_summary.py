@@ -21,19 +21,25 @@ log = logging.getLogger(__name__)
 COLUMNS = ("run", "overrides", "drafter", "steps", "tau_offline", "final_loss", "tokens_per_s", "status")
 
 
-def summary_row(job_dir: Path, sweep_dir: Path) -> dict:
+def summary_rows(job_dir: Path, sweep_dir: Path) -> list[dict]:
+    """The job's row; a `drafters=[...]` job gives a row per drafter (run `DIR/NAME`)."""
     overrides_file = job_dir / ".hydra" / "overrides.yaml"
     overrides = OmegaConf.load(overrides_file) if overrides_file.is_file() else []
     row = {"run": str(job_dir.relative_to(sweep_dir)), "overrides": list(overrides)}
     metrics_file = RunDir(job_dir).metrics
     if not metrics_file.is_file():
-        return {**row, "status": "no metrics.json (failed or unfinished)"}
+        return [{**row, "status": "no metrics.json (failed or unfinished)"}]
     m = json.loads(metrics_file.read_text())
-    seconds = m.get("training_seconds") or 0.0
-    # tokens/s of the training steps alone (feature extraction overlaps them in other processes)
-    tokens_per_s = m["train_tokens"] / seconds if seconds > 0 else None
-    return {**row, "drafter": m.get("drafter"), "steps": m.get("steps"), "tau_offline": m.get("tau_offline"),
-            "final_loss": m.get("final_loss"), "tokens_per_s": tokens_per_s, "status": "ok"}
+    drafters = m.get("drafters") or {None: m}
+    rows = []
+    for name, d in drafters.items():
+        seconds = d.get("training_seconds") or 0.0
+        # tokens/s of the training steps alone (feature extraction overlaps them in other processes)
+        tokens_per_s = m["train_tokens"] / seconds if seconds > 0 else None
+        rows.append({**row, "run": row["run"] + (f"/{name}" if name else ""), "drafter": d.get("drafter"),
+                     "steps": d.get("steps"), "tau_offline": d.get("tau_offline"), "final_loss": d.get("final_loss"),
+                     "tokens_per_s": tokens_per_s, "status": "ok" if not d.get("stopped_early") else "stopped early"})
+    return rows
 
 
 def collect_rows(sweep_dir: Path) -> tuple[list[dict], list[str]]:
@@ -41,7 +47,7 @@ def collect_rows(sweep_dir: Path) -> tuple[list[dict], list[str]]:
     overrides that tell it apart; and the overrides all jobs share."""
     job_dirs = {p.parent.parent for p in sweep_dir.glob("**/.hydra/overrides.yaml")}
     job_dirs |= {p.parent for p in sweep_dir.glob("**/metrics.json")}
-    rows = [summary_row(d, sweep_dir) for d in sorted(job_dirs, key=_job_order)]
+    rows = [r for d in sorted(job_dirs, key=_job_order) for r in summary_rows(d, sweep_dir)]
     shared = [o for o in rows[0]["overrides"] if all(o in r["overrides"] for r in rows)] if rows else []
     for r in rows:
         r["overrides"] = " ".join(o for o in r["overrides"] if o not in shared)

@@ -1,8 +1,9 @@
 """The main job: specdistill-train drafter=NAME target=NAME|target.path=DIR [key=value ...]
+(several drafters from one prefill: drafters=[NAME,NAME,...], specdistill/trainer/entries.py)
 
 Hydra composes conf/ (strict schemas, specdistill/launch/config.py), this builds the Trainer and runs it. The run
-directory (hydra.run.dir) ends with export/ and metrics.json; re-running with the same directory
-resumes from its last checkpoint.
+directory (hydra.run.dir) ends with export/ (export/<name>/ per drafter of a drafters=[...] run) and metrics.json;
+re-running with the same directory resumes from its last checkpoint.
 """
 
 import os
@@ -50,7 +51,7 @@ def main(cfg: DictConfig) -> dict:
         for path in (train_path, heldout_path):
             if path:
                 open_store(path, target_dir, cache_dir, workers=data_cfg.tokenize_workers,
-                           progress=cfg.trainer.progress)
+                           progress=cfg.trainer.progress, cfg=data_cfg)
     if cfg.trainer.ranks > 1 and "LOCAL_RANK" not in os.environ:
         return _relaunch_as_ranks(cfg.trainer.ranks, run_dir)
     _adopt_torchrun_sizes(cfg)
@@ -60,7 +61,10 @@ def main(cfg: DictConfig) -> dict:
         for change in changed:  # resuming is right after a crash; a changed setting is the user's to know about
             log.warning("resuming %s with a setting changed from the run's own (run_info.json): %s", run_dir, change)
         write_run_info(run_dir, resolved, changed)
+    entries = OmegaConf.to_container(cfg.drafters, resolve=True)
+    _check_drafter_overrides(entries)
     trainer = Trainer(
+        entries=entries,
         drafter_cfg=OmegaConf.to_object(cfg.drafter),
         trainer_cfg=OmegaConf.to_object(cfg.trainer),
         server_cfg=OmegaConf.to_object(cfg.feature_server),
@@ -74,10 +78,23 @@ def main(cfg: DictConfig) -> dict:
     )
     metrics = trainer.train()
     if metrics:
-        log.info("export: %s", metrics["export_dir"])
-        log.info("metrics: %s", json.dumps({k: metrics[k] for k in ("steps", "tau_offline", "training_seconds",
-                                                                   "feature_extraction_seconds")}))
+        exports = ({n: m["export_dir"] for n, m in metrics["drafters"].items()} if "drafters" in metrics
+                   else metrics["export_dir"])
+        log.info("export: %s", exports)
+        log.info("metrics: %s", json.dumps({k: metrics.get(k) for k in ("steps", "tau_offline", "training_seconds",
+                                                                       "feature_extraction_seconds")}))
     return metrics
+
+
+def _check_drafter_overrides(entries: list) -> None:
+    """drafters=[...] takes each drafter's settings from its entry: a `drafter=` or `drafter.X=` beside it would
+    apply to nothing, so it is refused rather than silently ignored."""
+    explicit = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").split("=")[0].split(".")[0] == "drafter"]
+    if entries and explicit:
+        raise ValueError(f"{explicit} with drafters=[...]: each entry carries its own drafter settings, e.g. "
+                         "drafters=[dflash,{drafter:dflash,name:dflash_b16,block_size:16}] (README.md, \"Several "
+                         "drafters in one run\")")
+
 
 
 def _adopt_torchrun_sizes(cfg: DictConfig) -> None:

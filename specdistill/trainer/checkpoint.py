@@ -2,8 +2,11 @@
 
 Layout: RUN/checkpoints/step_00000050.pt (specdistill/core/run_dir.py; written to a temp name, then renamed: never
 half-written).
-The state holds the drafter, both optimizers, the step, the data position (row ids already trained on
-in the current epoch) and the running counters, so a resumed run continues the same totals.
+The state holds every drafter of the run (weights, both optimizers, validation: the curve and the best weights),
+the step, each rank's data position (row ids already trained on in the current epoch), running counters and, per
+drafter, its sampling generator and its own progress (steps, seconds, whether it stopped), so a resumed run
+continues them all with the same totals. One file per step holds all drafters: they are written and resumed
+together.
 """
 
 import logging
@@ -37,30 +40,30 @@ class TrainState:
     rows_reissued: int = 0
     duplicate_deliveries_dropped: int = 0
     feature_workers_died: int = 0
+    target_tokens: int = 0  # tokens the feature workers prefilled (training, held-out and probe rows)
 
 
 # Counters each rank keeps over its own shard: the job's value is their sum over the ranks (metrics.json, and a
 # resume on another rank count). train_seconds is wall-clock time, the same on every rank: never summed.
 SUMMED_OVER_RANKS = ("train_tokens", "train_response_tokens", "packs", "feature_seconds", "feature_wait_seconds",
                      "samples_duplicated", "samples_lost", "rows_reissued", "duplicate_deliveries_dropped",
-                     "feature_workers_died")
+                     "feature_workers_died", "target_tokens")
 
 
-def rank_entry(state: TrainState, generator: torch.Generator) -> dict:
-    """What one rank contributes to a checkpoint: its data position, counters and sampling RNG."""
-    return {"state": {**asdict(state), "consumed_row_ids": sorted(state.consumed_row_ids)},
-            "generator": generator.get_state()}
+def rank_entry(state: TrainState, drafters: dict[str, dict]) -> dict:
+    """What one rank contributes to a checkpoint: its data position and counters, and per drafter its sampling
+    generator state and progress (`Entry.state()` plus "generator")."""
+    return {"state": {**asdict(state), "consumed_row_ids": sorted(state.consumed_row_ids)}, "drafters": drafters}
 
 
-def save_checkpoint(run: RunDir, step: int, ranks: list[dict], drafter_state: dict, optimizer_state: dict,
-                    meta: dict, keep: int, validation: dict | None = None) -> Path:
-    """Rank 0 writes one file: the full drafter and optimizer states (specdistill/trainer/parallel.py), every rank's
-    entry (rank_entry), since each rank trains its own shard of the rows, and rank 0's validation state (the
-    held-out curve and the best weights, specdistill/trainer/validation.py)."""
+def save_checkpoint(run: RunDir, step: int, ranks: list[dict], drafters: dict[str, dict], meta: dict,
+                    keep: int) -> Path:
+    """Rank 0 writes one file: per drafter its full weights and optimizer states (specdistill/trainer/parallel.py)
+    and rank 0's validation state (the held-out curve and the best weights, specdistill/trainer/validation.py), and
+    every rank's entry (rank_entry), since each rank trains its own shard of the rows."""
     run.checkpoints.mkdir(parents=True, exist_ok=True)
     path, tmp = run.checkpoint(step), run.staging_checkpoint(step)
-    payload = {"ranks": ranks, "drafter": drafter_state, "optimizers": optimizer_state, "meta": meta,
-               "validation": validation}
+    payload = {"ranks": ranks, "drafters": drafters, "meta": meta}
     torch.save(payload, tmp)
     os.replace(tmp, path)
     for old in run.checkpoint_files()[:-keep] + run.staging_files():
@@ -71,20 +74,18 @@ def save_checkpoint(run: RunDir, step: int, ranks: list[dict], drafter_state: di
 @dataclass
 class Checkpoint:
     path: Path
-    drafter: dict
-    optimizers: dict
+    drafters: dict[str, dict]  # name -> {"drafter", "optimizers", "validation"}
     ranks: list[dict]
-    validation: dict | None = None
 
-    def rank_state(self, rank: int, world_size: int) -> tuple[TrainState, torch.Tensor | None]:
-        """This rank's TrainState and RNG state. Saved by as many ranks as now run: each takes its own back (a
-        bit-exact resume). Saved by another number of ranks: every rank skips the rows any rank had trained on
-        this epoch (each only sees its own shard of them), rank 0 carries the summed counters, and the RNG
-        starts fresh."""
+    def rank_state(self, rank: int, world_size: int) -> tuple[TrainState, dict[str, dict]]:
+        """This rank's TrainState and, per drafter, its generator state and progress. Saved by as many ranks as now
+        run: each takes its own back (a bit-exact resume). Saved by another number of ranks: every rank skips the
+        rows any rank had trained on this epoch (each only sees its own shard of them), rank 0 carries the summed
+        counters, and the drafters' RNGs start fresh (an empty dict)."""
         if len(self.ranks) == world_size:
             entry = self.ranks[rank]
             raw = entry["state"]
-            return TrainState(**{**raw, "consumed_row_ids": set(raw["consumed_row_ids"])}), entry["generator"]
+            return TrainState(**{**raw, "consumed_row_ids": set(raw["consumed_row_ids"])}), entry["drafters"]
         states = [entry["state"] for entry in self.ranks]
         consumed = set().union(*(s["consumed_row_ids"] for s in states))
         first = states[0]
@@ -94,18 +95,27 @@ class Checkpoint:
                     len(consumed))
         state = TrainState(step=first["step"], epoch=first["epoch"], consumed_row_ids=consumed,
                            last_loss=first["last_loss"], train_seconds=first["train_seconds"], **counters)
-        return state, None
+        return state, {}
 
 
 def load_checkpoint(path: Path, meta: dict) -> Checkpoint:
+    """The checkpoint at `path`, refused when it was written for another setup: other drafters (names, kinds,
+    layer ids) or another target."""
     payload = read_checkpoint(path)
-    for key in ("drafter", "target_layer_ids", "model_type"):
-        if payload["meta"].get(key) != meta.get(key):
-            raise ValueError(
-                f"{path}: checkpoint was written with {key}={payload['meta'].get(key)!r}, this run has "
-                f"{meta.get(key)!r}; use a new hydra.run.dir for a different setup"
-            )
-    if "ranks" not in payload:
-        raise ValueError(f"{path}: a checkpoint from an older specdistill (no per-rank entries); start a new "
+    if "ranks" not in payload or "drafters" not in payload:
+        raise ValueError(f"{path}: a checkpoint from an older specdistill (no per-drafter entries); start a new "
                          "hydra.run.dir")
-    return Checkpoint(path, payload["drafter"], payload["optimizers"], payload["ranks"], payload.get("validation"))
+    saved = payload["meta"]
+    if saved.get("model_type") != meta.get("model_type"):
+        raise ValueError(f"{path}: checkpoint was written for a {saved.get('model_type')!r} target, this run has "
+                         f"{meta.get('model_type')!r}; use a new hydra.run.dir for a different setup")
+    if sorted(saved["drafters"]) != sorted(meta["drafters"]):
+        raise ValueError(f"{path}: checkpoint holds drafters {sorted(saved['drafters'])}, this run trains "
+                         f"{sorted(meta['drafters'])}; resume with the same drafters, or use a new hydra.run.dir")
+    for name, want in meta["drafters"].items():
+        for key in ("drafter", "target_layer_ids"):
+            if saved["drafters"][name].get(key) != want.get(key):
+                raise ValueError(
+                    f"{path}: drafter {name!r} was written with {key}={saved['drafters'][name].get(key)!r}, this run "
+                    f"has {want.get(key)!r}; use a new hydra.run.dir for a different setup")
+    return Checkpoint(path, payload["drafters"], payload["ranks"])

@@ -3,6 +3,9 @@
 Production node (conf/layout/node.yaml): 8 GPUs = trainer.ranks (2) trainer GPUs + feature_server.workers (6)
 vLLM workers, one GPU each; each local trainer rank owns workers // ranks of them and reads only their features
 (node-local shared memory). On CPU (conf/layout/cpu.yaml, the default here) everything runs on "cpu".
+One GPU (conf/layout/gpu1.yaml): feature_server.share_trainer_device=true puts each rank's workers on the rank's own
+device, an explicit opt-in (the target's weights and activations then share that GPU's memory with the trainer's);
+without it a layout that needs more devices than the node has is refused.
 """
 
 import os
@@ -21,8 +24,12 @@ class NodeLayout:
         return self.workers // self.ranks
 
 
-def plan_node(ranks: int, workers: int, trainer_device: str, worker_device: str, cuda_devices: int) -> NodeLayout:
-    """Assign devices; raise a clear error when the node has fewer devices than the layout asks for."""
+def plan_node(ranks: int, workers: int, trainer_device: str, worker_device: str, cuda_devices: int,
+              share_trainer_device: bool = False) -> NodeLayout:
+    """Assign devices; raise a clear error when the node has fewer devices than the layout asks for.
+
+    share_trainer_device (feature_server.share_trainer_device): each rank's workers run on the rank's own device
+    instead of devices of their own, so the whole loop fits one GPU (conf/layout/gpu1.yaml)."""
     if ranks < 1 or workers < 1:
         raise ValueError(f"trainer.ranks={ranks} and feature_server.workers={workers} must both be >= 1")
     if workers % ranks:
@@ -31,19 +38,36 @@ def plan_node(ranks: int, workers: int, trainer_device: str, worker_device: str,
     per_rank = workers // ranks
     trainer_on_gpu = _on_cuda(trainer_device, cuda_devices)
     workers_on_gpu = _on_cuda(worker_device, cuda_devices)
+    if share_trainer_device:
+        _check_shareable(worker_device, workers_on_gpu, trainer_on_gpu)
+        workers_on_gpu = False  # they need no device of their own
     need = (ranks if trainer_on_gpu else 0) + (workers if workers_on_gpu else 0)
     if need > cuda_devices:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        what = (f"{ranks} trainer ranks, each sharing its device with its {per_rank} feature worker(s)"
+                if share_trainer_device else
+                f"{ranks if trainer_on_gpu else 0} trainer ranks + {workers if workers_on_gpu else 0} feature "
+                "workers, one device each")
         raise RuntimeError(
-            f"node layout needs {need} CUDA devices ({ranks if trainer_on_gpu else 0} trainer ranks + "
-            f"{workers if workers_on_gpu else 0} feature workers, one device each), this machine has {cuda_devices}"
+            f"node layout needs {need} CUDA devices ({what}), this machine has {cuda_devices}"
             + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-            + "; lower trainer.ranks / feature_server.workers or run the workers on cpu")
+            + "; lower trainer.ranks / feature_server.workers, run the workers on cpu, or put each rank's workers "
+            "on its own GPU (layout=gpu1: feature_server.share_trainer_device=true)")
     trainer = tuple(f"cuda:{r}" if trainer_on_gpu else "cpu" for r in range(ranks))
+    if share_trainer_device:
+        return NodeLayout(ranks, workers, trainer, tuple((device,) * per_rank for device in trainer))
     first = ranks if trainer_on_gpu else 0
     worker = tuple(tuple(f"cuda:{first + r * per_rank + i}" if workers_on_gpu else "cpu" for i in range(per_rank))
                    for r in range(ranks))
     return NodeLayout(ranks, workers, trainer, worker)
+
+
+def _check_shareable(worker_device: str, workers_on_gpu: bool, trainer_on_gpu: bool) -> None:
+    """share_trainer_device: feature_server.device must not contradict the trainer's device (auto follows it)."""
+    if worker_device != "auto" and workers_on_gpu != trainer_on_gpu:
+        raise ValueError(f"feature_server.share_trainer_device=true puts the feature workers on the trainer's "
+                         f"device ({'cuda' if trainer_on_gpu else 'cpu'}), but feature_server.device={worker_device}; "
+                         "set feature_server.device to the trainer's (or auto), or drop share_trainer_device")
 
 
 def _on_cuda(device: str, cuda_devices: int) -> bool:

@@ -1,8 +1,9 @@
-"""The training loop: features stream in from the target workers, packs go through the drafter.
+"""The training loop: features stream in from the target workers, packs go through the drafters.
 
 Read `train()` top to bottom: resume -> the feature feed (one feature server for the run, packing ahead of the
-step: specdistill/trainer/feed.py) -> steps, epoch after epoch -> export -> offline evaluation -> metrics.json. `_step()` is
-the whole training step.
+step: specdistill/trainer/feed.py) -> steps, epoch after epoch -> export -> offline evaluation -> metrics.json.
+`_step()` is the whole training step: every drafter of the run (its entries, specdistill/trainer/entries.py; one
+unless `drafters=[...]`) steps in turn on the same packs, so the target's prefill is paid once for all of them.
 """
 
 import hashlib
@@ -19,7 +20,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from specdistill.core.batch import PackedBatch
+from specdistill.core.batch import PackedBatch, pack
+from specdistill.core.contract import FeatureSpec
 from specdistill.core.rows import as_rows
 from specdistill.core.run_dir import RunDir
 from specdistill.core.shapes import StaticShapes
@@ -36,12 +38,17 @@ from specdistill.trainer import distributed, parallel
 from specdistill.trainer.ablation import ablate, ablate_hidden, check_ablation
 from specdistill.trainer.checkpoint import SUMMED_OVER_RANKS, TrainState, load_checkpoint, rank_entry, save_checkpoint
 from specdistill.trainer.config import TrainerConfig
+from specdistill.trainer.consistency import check_same_dataset, dataset_fingerprint, prepared_state_hashes
 from specdistill.trainer.device_copy import DeviceCopier, on_device
+from specdistill.trainer.entries import Entry, EntrySpec, resolve_entries
 from specdistill.trainer.feed import EpochEnd, FeatureFeed
 from specdistill.trainer.metrics import StepMetrics
 from specdistill.trainer.optim import Optimizers
+from specdistill.trainer.report import entry_metrics, run_metrics, summary_lines
 from specdistill.trainer.tracking import Tracker
 from specdistill.trainer.validation import ValidationState, Validator, check_eval_settings, resolve_eval_every, usable_heldout
+from specdistill.evaluation.acceptance import target_tokens
+from specdistill.evaluation.baselines import baseline_report
 
 # Probe rows (training rows walked beside the held-out ones) get ids past any file's line count, so one feature
 # server can extract both sets without their row ids colliding in its exactly-once ledger.
@@ -53,12 +60,13 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, drafter_cfg, trainer_cfg: TrainerConfig, server_cfg: FeatureServerConfig, run_dir: Path,
                  target_dir: Path, train_path: Path, heldout_path: Path | None, resolved_config: dict | None = None,
-                 data_cfg: DataConfig | None = None, cache_dir: Path | None = None):
+                 data_cfg: DataConfig | None = None, cache_dir: Path | None = None, entries: list | None = None):
+        """entries: the run's `drafters=[...]` list (entries.py); None or empty: the one drafter `drafter_cfg`."""
         self.launched = psutil.Process().create_time()  # first_step_seconds: this process's launch to its first step
         self.first_step_seconds: float | None = None
         self.cfg, self.server_cfg, self.run = trainer_cfg, server_cfg, RunDir(run_dir)
         self.layout = plan_node(trainer_cfg.ranks, server_cfg.workers, trainer_cfg.device, server_cfg.device,
-                                cuda_device_count())
+                                cuda_device_count(), server_cfg.share_trainer_device)
         if trainer_cfg.grad_accum < 1:
             raise ValueError(f"trainer.grad_accum={trainer_cfg.grad_accum}: need >= 1 pack per optimizer step")
         check_eval_settings(trainer_cfg.eval_every or 0, trainer_cfg.max_steps, trainer_cfg.export)
@@ -76,37 +84,54 @@ class Trainer:
             log.info("trainer rank %d: %d CPU threads (trainer.threads)", self.dist.rank, threads)
         torch.manual_seed(trainer_cfg.seed)
         self.target = TargetInfo.load(target_dir)
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
-        check_tokenizer_matches(tokenizer, {"vocab_size": self.target.vocab_size})
+        self._tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+        check_tokenizer_matches(self._tokenizer, {"vocab_size": self.target.vocab_size})
         self._load_data(target_dir, train_path, heldout_path, data_cfg or DataConfig(),
                         Path(cache_dir or os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill")))
-        self._drafter_cfg, self._tokenizer = drafter_cfg, tokenizer  # _new_drafter rebuilds it after fsdp
-        self.drafter = self._new_drafter()
         self.head = TargetHead(self.target).to(self.dist.device)
-        self.spec = replace(self.drafter.feature_spec(), hidden_dtype=server_cfg.hidden_dtype)
+        self.autocast_dtype = _autocast_dtype(trainer_cfg.precision, self.dist.device)
+        specs = resolve_entries(entries or [], drafter_cfg, trainer_cfg)
+        self.pad_packs = _pad_packs(trainer_cfg.pad_packs, self.dist.device, len(specs))
+        self.several = bool(entries)  # drafters=[...]: export/<name>/ and per-drafter metrics, even for one entry
+        self.entries = [self._build_entry(spec) for spec in specs]
+        # Before the first step: every rank loaded the same rows, tokenizer, library versions and drafter vocabularies
+        # (specdistill/trainer/consistency.py, docs/launching.md "Many nodes, one dataset").
+        check_same_dataset(dataset_fingerprint(
+            target_dir, {"train": (train_path, self.rows), "heldout": (heldout_path, self.heldout_rows)},
+            [(f"{e.name}.{n}", h) for e in self.entries for n, h in prepared_state_hashes(e.drafter)],
+            self.dist.rank), self.dist)
+        # The feature server ships the union of the entries' layers once; each drafter takes its own by id.
+        layer_ids = sorted(set().union(*(e.drafter.feature_spec().layer_ids for e in self.entries)))
+        self.spec = FeatureSpec(tuple(layer_ids), server_cfg.hidden_dtype)
         self.spec.check_against(self.target.num_hidden_layers)
-        self.input_layer_ids = self.drafter.input_layer_ids()
-        check_ablation(trainer_cfg.feature_ablation, self.input_layer_ids, self.target.num_hidden_layers)
         _check_feature_capacity(server_cfg, self.layout.workers_per_rank, self.pack_tokens, self.spec,
                                 self.target.hidden_size)
-        self.model = parallel.wrap(self.drafter, trainer_cfg.parallel, self.dist)
-        if trainer_cfg.compile:
-            self.model = torch.compile(self.model)
-        self.optimizers = Optimizers(self.drafter, trainer_cfg)
-        self.generator = torch.Generator().manual_seed(trainer_cfg.seed + self.dist.rank)
-        self.autocast_dtype = _autocast_dtype(trainer_cfg.precision, self.dist.device)
-        self.static = _static_shapes(trainer_cfg.pad_packs, self.pack_tokens, self.dist.device)
         # CUDA: packs assembled in pinned memory and copied ahead of the step on a side stream (device_copy.py)
         self.copier = DeviceCopier(self.dist.device) if self.dist.device.type == "cuda" else None
-        self.meta = {"drafter": drafter_cfg.name, "target_layer_ids": list(self.spec.layer_ids),
-                     "model_type": self.target.model_type}
-        self.window = StepMetrics(self.drafter.num_speculative_tokens)
-        self.totals = StepMetrics(self.drafter.num_speculative_tokens)
-        self.since_validation = StepMetrics(self.drafter.num_speculative_tokens)  # the train side of each point
+        self.meta = {"model_type": self.target.model_type,
+                     "drafters": {e.name: {"drafter": e.spec.drafter.name,
+                                           "target_layer_ids": list(e.drafter.feature_spec().layer_ids),
+                                           "config": asdict(e.spec.drafter)}  # what evaluation/reload.py builds
+                                  for e in self.entries}}
         # Stable per run and rank, so a crashed run's leftover segments are swept when it resumes.
         run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
         self.shm_prefix = f"specdistill_{run_key}_r{self.dist.rank}"
         self.tracker = Tracker.from_run_config(resolved_config or {}, run_dir, enabled=self.dist.is_main)
+
+    def _build_entry(self, spec: EntrySpec) -> Entry:
+        """One drafter as its solo run would start it: the global RNG reseeded with trainer.seed before it is built,
+        its own generator seeded as a solo run's (seed + rank), its own optimizers and schedule."""
+        torch.manual_seed(self.cfg.seed)
+        drafter = self._new_drafter(spec.drafter)
+        check_ablation(spec.trainer.feature_ablation, drafter.input_layer_ids(), self.target.num_hidden_layers)
+        model = parallel.wrap(drafter, self.cfg.parallel, self.dist)
+        if self.cfg.compile:
+            model = torch.compile(model)
+        K = drafter.num_speculative_tokens
+        return Entry(spec, drafter, model, Optimizers(drafter, spec.trainer),
+                     torch.Generator().manual_seed(self.cfg.seed + self.dist.rank), drafter.input_layer_ids(),
+                     StaticShapes(tokens=self.pack_tokens, pad=self.pad_packs), StepMetrics(K), StepMetrics(K),
+                     StepMetrics(K))
 
     def _load_data(self, target_dir: Path, train_path: Path, heldout_path: Path | None, data_cfg: DataConfig,
                    cache_dir: Path) -> None:
@@ -135,6 +160,13 @@ class Trainer:
             self.heldout_stages = held_store.stages_by_row_id()
         self.heldout_path = heldout_path
 
+    @property
+    def _label(self) -> str:
+        return "+".join(e.name for e in self.entries)
+
+    def _active(self) -> list[Entry]:
+        return [e for e in self.entries if e.active]
+
     # --- the loop --------------------------------------------------------------------------------
     def train(self) -> dict:
         try:
@@ -147,18 +179,20 @@ class Trainer:
         heldout, probe = self._eval_rows()
         self.feed = self._make_feed(state, heldout + probe)
         try:
-            self.validator = self._make_validator(heldout, probe)
+            self._make_validators(heldout, probe)
             bar = tqdm(total=self.cfg.max_steps, initial=state.step,
-                       disable=not (self.cfg.progress and self.dist.is_main), desc=f"train {self.meta['drafter']}",
-                       unit="step")
-            if self.eval_every and not self.validation.curve:
-                self._validate(state)  # step 0: the untrained (or, for MTP, the target's own) drafter, the origin
+                       disable=not (self.cfg.progress and self.dist.is_main), desc=f"train {self._label}", unit="step")
+            if self.eval_every:
+                for entry in self.entries:
+                    if not entry.validation.curve:  # step 0: the untrained (for MTP, the target's own) drafter
+                        self._validate(entry, state)
             self._loop(state, bar)
             bar.close()
         finally:
             self._close_feed(state)  # on errors too: its workers stop, its counts are kept
-        if self._curve_ends_before(state.step):
-            self._validate(state)  # the final weights are candidates for the export too
+        for entry in self.entries:
+            if self._curve_ends_before(entry, state.step):
+                self._validate(entry, state)  # the final weights are candidates for the export too
         self._save(state)
         return self._finish(state)
 
@@ -177,12 +211,15 @@ class Trainer:
             if self.first_step_seconds is None:
                 self.first_step_seconds = time.time() - self.launched
             bar.update(1)
-            train_tau = self.window.tau_estimate  # before _log starts a new window
+            shown = self._active()[0]
+            train_tau = shown.window.tau_estimate  # before _log starts a new window
             if state.step % self.cfg.log_every == 0:
                 self._log(state)
             if self.eval_every and state.step % self.eval_every == 0:
-                self._validate(state)
-            bar.set_postfix(loss=f"{state.last_loss:.3f}", tau=f"{train_tau:.2f}", heldout_tau=self._last_heldout_tau())
+                for entry in self._active():
+                    self._validate(entry, state)
+            bar.set_postfix(loss=f"{shown.last_loss:.3f}", tau=f"{train_tau:.2f}",
+                            heldout_tau=self._last_heldout_tau(shown))
             if state.step % self.cfg.checkpoint_every == 0:
                 self._save(state)
 
@@ -192,7 +229,7 @@ class Trainer:
                            layer_ids=self.spec.layer_ids, grad_accum=self.cfg.grad_accum,
                            prefetch=self.cfg.prefetch_steps, max_epochs=self.cfg.max_epochs, start_epoch=state.epoch,
                            skip_row_ids=frozenset(state.consumed_row_ids), eval_rows=eval_rows,
-                           pad_to=self.pack_tokens if self.static.pad else None, copier=self.copier).start()
+                           pad_to=self.pack_tokens if self.pad_packs else None, copier=self.copier).start()
 
     def _next_step_packs(self, state: TrainState) -> list | None:
         """The next optimizer step's packs (trainer.grad_accum of them); None once max_epochs are done."""
@@ -216,6 +253,7 @@ class Trainer:
         self.feed.close()
         self._add_delivery_counts(state, self.feed.final_counts)  # the epoch in progress, if the run stopped in it
         stats = self.feed.server_stats
+        state.target_tokens += int(stats.get("tokens", 0))
         slots = max(1, len(stats.get("engine_loads_per_slot", {})))
         self.engine_loads_per_worker = stats.get("engine_loads", 0) / slots
 
@@ -229,34 +267,50 @@ class Trainer:
         state.feature_workers_died += int(counts["workers_died"])
 
     def _step(self, micro: list, state: TrainState) -> None:
-        """One optimizer step over `trainer.grad_accum` packs (micro-batches; host packs, or packs already being
-        copied to the device: trainer/device_copy.py): the mean of their losses, so 1 rank x N packs and N ranks x
-        1 pack (DDP averages) take the same step."""
+        """One optimizer step of every drafter still training, in turn, over the same `trainer.grad_accum` packs
+        (host packs, or packs already being copied to the device: trainer/device_copy.py), read-only."""
         started = time.perf_counter()
         micro = [micro] if isinstance(micro, PackedBatch) else micro
-        self.optimizers.set_step(state.step)
+        batches = [on_device(item, self.dist.device, torch.float32) for item in micro]
+        for entry in self._active():
+            entry_started = time.perf_counter()
+            self._step_entry(entry, batches, state)
+            entry.train_seconds += time.perf_counter() - entry_started
+        if not self._active():  # the run fails only when no drafter is left
+            raise FloatingPointError("; ".join(f"{e.name}: {e.stopped['why']}" for e in self.entries) +
+                                     f". Nothing was written for this step; the last checkpoint is step "
+                                     f"{state.step // self.cfg.checkpoint_every * self.cfg.checkpoint_every}")
+        for batch in batches:
+            self._count_batch(batch, state)
+        state.step += 1
+        state.train_seconds += time.perf_counter() - started
+        state.last_loss = self._active()[0].last_loss
+
+    def _step_entry(self, entry: Entry, batches: list[PackedBatch], state: TrainState) -> None:
+        """One drafter's optimizer step: the mean of its losses over the packs, so 1 rank x N packs and N ranks x 1
+        pack (DDP averages) take the same step. A non-finite loss on any rank stops this drafter on every rank
+        (before the poisoned update reaches its weights); the others go on."""
+        entry.optimizers.set_step(state.step)
         losses = []
-        for i, item in enumerate(micro):
-            batch = replace(on_device(item, self.dist.device, torch.float32), static=self.static)
-            batch = ablate(batch, self.cfg.feature_ablation, self.input_layer_ids, self.generator)
-            last = i == len(micro) - 1
+        for i, batch in enumerate(batches):
+            batch = ablate(replace(batch, static=entry.static), entry.cfg.feature_ablation, entry.input_layer_ids,
+                           entry.generator)
+            last = i == len(batches) - 1
             # Gradients are reduced over the ranks once, on the last micro-batch.
-            with parallel.gradient_sync(self.model, self.cfg.parallel, self.dist, sync=last):
+            with parallel.gradient_sync(entry.model, self.cfg.parallel, self.dist, sync=last):
                 with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
-                    out = self.model(batch, self.head, self.generator)
-                if not torch.isfinite(out.loss):
-                    self._stop_on_non_finite(batch, state, out.loss)
-                (out.loss / len(micro)).backward()
+                    out = entry.model(batch, self.head, entry.generator)
+                if not distributed.all_ranks(bool(torch.isfinite(out.loss)), self.dist):
+                    self._stop_entry(entry, batch, state, out.loss)
+                    return
+                (out.loss / len(batches)).backward()
             losses.append(float(out.loss.detach()))
-            self._count_batch(batch, state)
-            self.window.add(out)
-            self.totals.add(out)
-            self.since_validation.add(out)
-        self.optimizers.clip_step_and_zero(self.drafter.parameters(), self.cfg.grad_clip)
-        state.step += 1
-        state.last_loss = sum(losses) / len(losses)
-        state.train_seconds += time.perf_counter() - started
+            for metrics in (entry.window, entry.totals, entry.since_validation):
+                metrics.add(out)
+        entry.optimizers.clip_step_and_zero(entry.drafter.parameters(), entry.cfg.grad_clip)
+        entry.steps += 1
+        entry.last_loss = sum(losses) / len(losses)
 
     def _count_batch(self, batch: PackedBatch, state: TrainState) -> None:
         state.train_tokens += batch.num_real_tokens  # padding is not counted (core/batch.py)
@@ -268,16 +322,21 @@ class Trainer:
             state.samples_duplicated += len(seen_twice) + len(batch.row_ids) - len(set(batch.row_ids))
         state.consumed_row_ids.update(batch.row_ids)
 
-    def _stop_on_non_finite(self, batch: PackedBatch, state: TrainState, loss: torch.Tensor) -> None:
-        """Stop before the poisoned update reaches the weights or a checkpoint; name the step and the rows."""
+    def _stop_entry(self, entry: Entry, batch: PackedBatch, state: TrainState, loss: torch.Tensor) -> None:
+        """A drafter whose loss went non-finite stops here, its weights those of its last finite step; recorded
+        with the step, its last finite loss and the rows (were the target's states non-finite?)."""
+        entry.optimizers.zero_grad()
         finite_T = torch.isfinite(batch.hidden_TLD).flatten(1).all(-1)
         bad_docs = batch.document_ids_T[~finite_T].unique().tolist()
         bad_rows = [batch.row_ids[d] for d in bad_docs if d < len(batch.row_ids)]  # not the padding document
         where = (f"non-finite target hidden states in rows {bad_rows}" if bad_rows else
                  "the target's hidden states are finite, so the drafter diverged (lower trainer.lr / muon_lr?)")
-        raise FloatingPointError(f"step {state.step + 1}: loss is {float(loss.detach())} on rows {list(batch.row_ids)}; {where}. "
-                                 f"Nothing was written for this step; the last checkpoint is step "
-                                 f"{state.step // self.cfg.checkpoint_every * self.cfg.checkpoint_every}")
+        why = f"step {state.step + 1}: loss is {float(loss.detach())} on rows {list(batch.row_ids)}; {where}"
+        entry.stopped = {"step": state.step + 1, "last_finite_loss": entry.last_loss, "loss": float(loss.detach()),
+                         "why": why}
+        left = [e.name for e in self._active()]
+        log.error("drafter %s stopped: %s%s", entry.name, why, f" (still training: {left})" if left else "")
+        self.tracker.log({"step": state.step + 1, f"{entry.name}/stopped": 1})
 
     # --- pieces ----------------------------------------------------------------------------------
     def _server(self, rows, skip=frozenset(), sharded: bool = True) -> FeatureServer:
@@ -296,44 +355,60 @@ class Trainer:
 
     def _resume(self) -> TrainState:
         path = self.run.latest_checkpoint()
-        self.validation = ValidationState()
         if path is None:
             return TrainState()
         ckpt = load_checkpoint(path, self.meta)
-        self.validation = ValidationState.from_checkpoint(ckpt.validation)
-        parallel.load_model_state(self.drafter, ckpt.drafter)
-        parallel.load_optimizer_state(self.drafter, self.optimizers.optimizers, ckpt.optimizers)
-        state, generator_state = ckpt.rank_state(self.dist.rank, self.dist.world_size)
+        state, entry_states = ckpt.rank_state(self.dist.rank, self.dist.world_size)
         if state.step > self.cfg.max_steps:  # the loop would not run, and the export would be this later step's
             raise ValueError(f"{path}: this run directory already trained to step {state.step}, past "
                              f"trainer.max_steps={self.cfg.max_steps}; its export would be step {state.step}'s "
                              f"weights, not a {self.cfg.max_steps}-step run's. Use a new hydra.run.dir, or "
                              f"trainer.max_steps >= {state.step} to continue this run")
-        if generator_state is not None:
-            self.generator.set_state(generator_state)
+        for entry in self.entries:
+            saved = ckpt.drafters[entry.name]
+            entry.validation = ValidationState.from_checkpoint(saved.get("validation"))
+            parallel.load_model_state(entry.drafter, saved["drafter"])
+            parallel.load_optimizer_state(entry.drafter, entry.optimizers.optimizers, saved["optimizers"])
+            own = entry_states.get(entry.name)
+            if own is not None:  # None: saved by another number of ranks (the RNG starts fresh, as before)
+                entry.generator.set_state(own["generator"])
+                entry.load_state(own)
+            else:
+                entry.steps = state.step
         log.info("resumed from %s at step %d (epoch %d, %d rows consumed)", path, state.step, state.epoch,
                  len(state.consumed_row_ids))
         return state
 
     def _save(self, state: TrainState) -> None:
         # Collectives under fsdp (full tensors are gathered) and for the per-rank entries: every rank takes part.
-        drafter_state = parallel.model_state(self.drafter)
-        optimizer_state = parallel.optimizer_state(self.drafter, self.optimizers.optimizers)
-        ranks = distributed.gather_objects(rank_entry(state, self.generator), self.dist)
+        drafters = {e.name: {"drafter": parallel.model_state(e.drafter),
+                             "optimizers": parallel.optimizer_state(e.drafter, e.optimizers.optimizers),
+                             "validation": e.validation.to_checkpoint()} for e in self.entries}
+        ranks = distributed.gather_objects(rank_entry(state, {e.name: {**e.state(), "generator": e.generator.get_state()}
+                                                              for e in self.entries}), self.dist)
         if self.dist.is_main:
-            save_checkpoint(self.run, state.step, ranks, drafter_state, optimizer_state, self.meta,
-                            self.cfg.keep_checkpoints, self.validation.to_checkpoint())
+            save_checkpoint(self.run, state.step, ranks, drafters, self.meta, self.cfg.keep_checkpoints)
         distributed.barrier(self.dist)
 
     def _log(self, state: TrainState) -> None:
-        window = self.window.reduced(self.dist)
-        loss = distributed.all_reduce_sum(torch.tensor([state.last_loss], device=self.dist.device), self.dist)
-        record = {"step": state.step, "loss": float(loss) / self.dist.world_size, **window.summary()}  # all ranks
-        self.tracker.log(record)
-        if self.dist.is_main:
-            log.info("step %d loss %.4f acc@1 %.3f tau_est %.3f", state.step, state.last_loss,
-                     record["accuracy_per_position"][0], record["tau_estimate"])
-        self.window = StepMetrics(self.drafter.num_speculative_tokens)
+        for entry in self.entries:
+            window = entry.window.reduced(self.dist)
+            loss = distributed.all_reduce_sum(torch.tensor([entry.last_loss], device=self.dist.device), self.dist)
+            record = {"loss": float(loss) / self.dist.world_size, **window.summary()}  # all ranks
+            entry.window = StepMetrics(entry.drafter.num_speculative_tokens)
+            if not entry.active:
+                continue
+            self.tracker.log({"step": state.step, **self._series(entry, record)})
+            if self.dist.is_main:
+                log.info("step %d %sloss %.4f acc@1 %.3f tau_est %.3f", state.step, self._prefix(entry, " "),
+                         record["loss"], record["accuracy_per_position"][0], record["tau_estimate"])
+
+    def _prefix(self, entry: Entry, sep: str = "/") -> str:
+        """Several drafters: their logs and wandb series carry their names; one drafter keeps the plain keys."""
+        return f"{entry.name}{sep}" if self.several else ""
+
+    def _series(self, entry: Entry, record: dict) -> dict:
+        return {f"{self._prefix(entry)}{k}": v for k, v in record.items()}
 
     # --- validation --------------------------------------------------------------------------------
     def _eval_rows(self) -> tuple[list, list]:
@@ -349,124 +424,114 @@ class Trainer:
         probe_rows = len(heldout) if self.cfg.probe_rows is None else self.cfg.probe_rows
         return heldout, [replace(r, row_id=PROBE_ROW_OFFSET + r.row_id) for r in self.rows[:probe_rows]]
 
-    def _make_validator(self, heldout: list, probe: list) -> Validator | None:
-        """Rank 0: the held-out and probe samples (kept for every evaluation), as trained (ablation applied)."""
+    def _make_validators(self, heldout: list, probe: list) -> None:
+        """Rank 0: each drafter's validator over the held-out and probe samples (kept for every evaluation), as that
+        drafter trains on them (its feature ablation applied; without one the samples are shared)."""
         if not heldout:
-            return None
-        held, probed = [], []
-        ablation_rng = torch.Generator().manual_seed(self.cfg.seed)  # evaluated on what it was trained on
-        for s in sorted(self.feed.eval_samples(), key=lambda s: s.row_id):
-            hidden = ablate_hidden(s.hidden_TLD, self.spec.layer_ids, self.cfg.feature_ablation,
-                                   self.input_layer_ids, ablation_rng)
-            if s.row_id >= PROBE_ROW_OFFSET:
-                probed.append(replace(s, row_id=s.row_id - PROBE_ROW_OFFSET, hidden_TLD=hidden))
-            else:
-                held.append(replace(s, hidden_TLD=hidden))
-        return Validator(held, probed, self.spec.layer_ids, self.dist.device, self.validation, self.heldout_stages,
-                         static=self.static)
-
-    def _validate(self, state: TrainState) -> None:
-        drafter = self._unsharded_drafter()  # a collective under fsdp: every rank calls it
-        if not self.dist.is_main or self.validator is None:
             return
-        point = self.validator.run(drafter, self.head, state.step, state.train_tokens, state.train_seconds,
-                                   self.since_validation.tau_estimate)
-        self.since_validation = StepMetrics(self.drafter.num_speculative_tokens)
-        log.info("step %d held-out tau %.3f (a_1 %.3f), on training rows %s, best %.3f at step %d", state.step,
-                 point["heldout_tau"], point["heldout_per_position"][0],
+        samples = sorted(self.feed.eval_samples(), key=lambda s: s.row_id)
+        for entry in self.entries:
+            held, probed = [], []
+            ablation_rng = torch.Generator().manual_seed(self.cfg.seed)  # evaluated on what it was trained on
+            for s in samples:
+                hidden = ablate_hidden(s.hidden_TLD, self.spec.layer_ids, entry.cfg.feature_ablation,
+                                       entry.input_layer_ids, ablation_rng)
+                if s.row_id >= PROBE_ROW_OFFSET:
+                    probed.append(replace(s, row_id=s.row_id - PROBE_ROW_OFFSET, hidden_TLD=hidden))
+                else:
+                    held.append(replace(s, hidden_TLD=hidden))
+            entry.validator = Validator(held, probed, self.spec.layer_ids, self.dist.device, entry.validation,
+                                        self.heldout_stages, static=entry.static)
+
+    def _validate(self, entry: Entry, state: TrainState) -> None:
+        drafter = self._unsharded_drafter(entry)  # a collective under fsdp: every rank calls it
+        if not self.dist.is_main or entry.validator is None:
+            return
+        point = entry.validator.run(drafter, self.head, state.step, state.train_tokens, entry.train_seconds,
+                                    entry.since_validation.tau_estimate)
+        entry.since_validation = StepMetrics(entry.drafter.num_speculative_tokens)
+        log.info("step %d %sheld-out tau %.3f (a_1 %.3f), on training rows %s, best %.3f at step %d", state.step,
+                 self._prefix(entry, " "), point["heldout_tau"], point["heldout_per_position"][0],
                  "n/a" if point["train_rows_tau"] is None else f"{point['train_rows_tau']:.3f}",
-                 self.validation.best_tau, self.validation.best_step)
-        self.tracker.log({"step": state.step, **{f"heldout/{k}": v for k, v in point.items() if k != "step"}})
+                 entry.validation.best_tau, entry.validation.best_step)
+        self.tracker.log({"step": state.step, **self._series(entry, {f"heldout/{k}": v for k, v in point.items()
+                                                                     if k != "step"})})
 
-    def _curve_ends_before(self, step: int) -> bool:
-        curve = self.validation.curve
-        return self.validator is not None and (not curve or curve[-1]["step"] < step)
+    def _curve_ends_before(self, entry: Entry, step: int) -> bool:
+        curve = entry.validation.curve
+        last = entry.stopped["step"] - 1 if entry.stopped else step  # a stopped drafter's weights are of that step
+        return entry.validator is not None and (not curve or curve[-1]["step"] < last)
 
-    def _last_heldout_tau(self) -> str:
-        curve = self.validation.curve
+    @staticmethod
+    def _last_heldout_tau(entry: Entry) -> str:
+        curve = entry.validation.curve
         return f"{curve[-1]['heldout_tau']:.2f}" if curve else "-"
 
-    def _export_drafter(self, drafter):
+    def _export_drafter(self, entry: Entry, drafter):
         """The drafter whose weights are exported: the best held-out ones (trainer.export=best) or the last."""
-        best = self.validation.best_weights
+        best = entry.validation.best_weights
         if self.cfg.export != "best" or best is None:
             return drafter, {"policy": self.cfg.export, "step": None, "heldout_tau": None}
-        chosen = self._new_drafter()
+        chosen = self._new_drafter(entry.spec.drafter)
         chosen.load_state_dict(best)
-        return chosen, {"policy": "best", "step": self.validation.best_step, "heldout_tau": self.validation.best_tau}
+        return chosen, {"policy": "best", "step": entry.validation.best_step, "heldout_tau": entry.validation.best_tau}
 
     def _finish(self, state: TrainState) -> dict:
-        metrics = {}
         state = self._summed_over_ranks(state)
-        drafter = self._unsharded_drafter()
-        if self.dist.is_main:
-            export_dir = self.run.export
-            drafter, selected = self._export_drafter(drafter)
+        drafters = [self._unsharded_drafter(e) for e in self.entries]  # collectives under fsdp: every rank
+        losses = distributed.all_reduce_sum(torch.tensor([e.last_loss for e in self.entries], dtype=torch.float64,
+                                                         device=self.dist.device), self.dist) / self.dist.world_size
+        if not self.dist.is_main:
+            return {}
+        eval_started = time.perf_counter()
+        per_drafter = {}
+        for entry, drafter in zip(self.entries, drafters):
+            export_dir = self.run.export / entry.name if self.several else self.run.export
+            drafter, selected = self._export_drafter(entry, drafter)
             if selected["step"] is None:  # export=last (or no curve): the final weights
-                selected["step"] = state.step
+                selected["step"] = entry.steps
             drafter.export(export_dir, self.target)
-            eval_started = time.perf_counter()
-            report = self.validator.report(drafter, self.head) if self.validator else None
-            counts = report.total if report else None
-            curve = self.validation.curve
-            metrics = {
-                "drafter": self.meta["drafter"],
-                "target": str(self.target.path),
-                "target_model_type": self.target.model_type,
-                "steps": state.step,
-                "epochs_completed": state.epoch,
-                "train_tokens": state.train_tokens,
-                "packs": state.packs,
-                "pack_tokens": self.pack_tokens,
-                "pack_fill": state.train_tokens / max(1, state.packs * self.pack_tokens),
-                # Fixed shapes (core/shapes.py): the shapes compiled attention saw in this process (on CPU, those
-                # padding would give), the share of the packs' laid-out tokens and of the anchor query blocks that is
-                # padding (on CPU, what padding would add).
-                "pad_packs": self.static.pad,
-                "compiled_shapes": self.static.count,
-                "pad_fraction": 1 - state.train_tokens / max(1, state.packs * self.pack_tokens),
-                "anchor_pad_fraction": self.static.query_pad_fraction,
-                "pinned_pool_mib": self.copier.pool.bytes / 2**20 if self.copier else 0.0,
-                "max_open_packs": self.feed.max_open_packs,
-                "train_response_tokens": state.train_response_tokens,
-                "final_loss": state.last_loss,
-                "train_accuracy_per_position": self.totals.summary()["accuracy_per_position"],
-                "tau_offline": counts.tau if counts else None,
-                "tau_offline_selection_rows": (self.validator.on_selection_rows(drafter, self.head).tau
-                                               if self.validator else None),
-                "heldout_split": self.validator.split if self.validator else None,
-                "per_position_acceptance": counts.per_position if counts else None,
-                "conditional_acceptance": counts.conditional if counts else None,
-                "heldout_drafts": counts.num_drafts if counts else 0,
-                "heldout_target_disagreement": counts.disagreement_fraction if counts else None,
-                "heldout_rows_too_short": counts.rows_too_short if counts else 0,
-                "heldout_curve": curve,
-                "train_vs_heldout_gap": curve[-1]["gap"] if curve else None,
-                "export_selected": selected,
-                "acceptance_by_stage": ({s: c.to_dict() for s, c in sorted(report.by_stage.items())}
-                                        if report else None),
-                "num_speculative_tokens": self.drafter.num_speculative_tokens,
-                "feature_extraction_seconds": state.feature_seconds,
-                "feature_wait_seconds": state.feature_wait_seconds,
-                "feature_wait_fraction": _wait_fraction(state, self.dist.world_size),
-                "first_step_seconds": self.first_step_seconds,
-                "engine_loads_per_worker": self.engine_loads_per_worker,
-                "samples_duplicated": state.samples_duplicated,
-                "samples_lost": state.samples_lost,
-                "rows_reissued": state.rows_reissued,
-                "duplicate_deliveries_dropped": state.duplicate_deliveries_dropped,
-                "feature_workers_died": state.feature_workers_died,
-                "training_seconds": state.train_seconds,
-                "eval_seconds": time.perf_counter() - eval_started,
-                "rows_truncated": self.train_skips.truncated,
-                "skipped_rows": {"train": asdict(self.train_skips),
-                                 "heldout": asdict(self.heldout_skips) if self.heldout_skips else None},
-                "export_dir": str(export_dir),
-            }
-            self.run.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
-            log.info("train rows skipped: %s", self.train_skips.summary())
-            self.tracker.finish(metrics)
+            validator = entry.validator
+            report = validator.report(drafter, self.head) if validator else None
+            selection_tau = validator.on_selection_rows(drafter, self.head).tau if validator else None
+            per_drafter[entry.name] = entry_metrics(entry, report, selection_tau,
+                                                    validator.split if validator else None, selected, export_dir,
+                                                    final_loss=float(losses[len(per_drafter)]))
+        baselines = self._baselines()
+        run = run_metrics(state, target=self.target, pack_tokens=self.pack_tokens,
+                          wait_fraction=_wait_fraction(state, self.dist.world_size),
+                          first_step_seconds=self.first_step_seconds, engine_loads=self.engine_loads_per_worker,
+                          eval_seconds=time.perf_counter() - eval_started, train_skips=self.train_skips,
+                          heldout_skips=self.heldout_skips, pad_packs=self.pad_packs,
+                          pinned_pool_bytes=self.copier.pool.bytes if self.copier else 0,
+                          max_open_packs=self.feed.max_open_packs)
+        if self.several:
+            metrics = {**run, "drafters": per_drafter, "baselines": baselines}
+        else:  # one drafter: the flat metrics.json of README.md "The main job" (its steps and seconds are the run's)
+            (only,) = per_drafter.values()
+            drafter_part = {k: v for k, v in only.items() if k not in ("name", "steps", "training_seconds")}
+            metrics = {**run, **drafter_part, "baselines": baselines}
+        self.run.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
+        log.info("train rows skipped: %s", self.train_skips.summary())
+        for line in summary_lines(per_drafter, baselines):
+            log.info("%s", line)
+        self.tracker.finish(metrics)
         return metrics
+
+    def _baselines(self) -> dict | None:
+        """The bigram and n-gram baselines on the rows the drafters' reports walked, judged against the target's own
+        greedy tokens, as the drafters are (specdistill/evaluation/acceptance.py target_tokens)."""
+        validator = self.entries[0].validator
+        if validator is None:
+            return None
+        L, walked = self.target.num_hidden_layers, []
+        for s in validator.reported:
+            mask = s.loss_mask_T.long().tolist()
+            idx = [i for i, m in enumerate(mask) if m]
+            batch = pack([s], self.spec.layer_ids).to(self.dist.device, torch.float32)
+            walked.append((target_tokens(batch, self.head, L, idx[0], idx[-1] + 1), mask))
+        K = self.entries[0].drafter.num_speculative_tokens
+        return baseline_report(self.rows, walked, K)
 
     def _summed_over_ranks(self, state: TrainState) -> TrainState:
         """Counters as the whole job's (every rank trains its own shard); the loss as the mean over ranks."""
@@ -478,24 +543,24 @@ class Trainer:
         summed = {name: type(getattr(state, name))(v) for name, v in zip(SUMMED_OVER_RANKS, total)}
         return replace(state, **summed, last_loss=total[-1] / self.dist.world_size)
 
-    def _unsharded_drafter(self):
+    def _unsharded_drafter(self, entry: Entry):
         """The drafter with whole weights, for export and evaluation on rank 0 (a collective under fsdp)."""
         if not (self.dist.enabled and self.cfg.parallel == "fsdp"):
-            return self.drafter
-        full = parallel.model_state(self.drafter)
+            return entry.drafter
+        full = parallel.model_state(entry.drafter)
         if not self.dist.is_main:
             return None
-        drafter = self._new_drafter()
+        drafter = self._new_drafter(entry.spec.drafter)
         drafter.load_state_dict(full)
         return drafter
 
-    def _new_drafter(self):
+    def _new_drafter(self, drafter_cfg):
         """A freshly initialised drafter (or one started from drafter.init_from), prepared on the training rows
         (EAGLE-3 picks its draft vocab, unless the export brings its own), on the device."""
-        drafter = build_drafter(self._drafter_cfg, self.target, self._tokenizer)
+        drafter = build_drafter(drafter_cfg, self.target, self._tokenizer)
         drafter.prepare(self.rows)
-        if getattr(self._drafter_cfg, "init_from", None):  # warm start: the export's weights (specdistill/drafters/warm_start.py)
-            drafter.load_export(Path(self._drafter_cfg.init_from))
+        if getattr(drafter_cfg, "init_from", None):  # warm start: the export's weights (drafters/warm_start.py)
+            drafter.load_export(Path(drafter_cfg.init_from))
         return drafter.to(self.dist.device)
 
 
@@ -526,14 +591,17 @@ def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, pack_
 COMPILED_SHAPES_LIMIT = 64
 
 
-def _static_shapes(pad_packs: bool | None, pack_tokens: int, device: torch.device) -> StaticShapes:
-    """The run's fixed shapes: padded for real on CUDA (or when trainer.pad_packs=true), recorded only on CPU."""
+def _pad_packs(pad_packs: bool | None, device: torch.device, drafters: int) -> bool:
+    """Whether packs and attention are padded to the run's fixed shapes (core/shapes.py): on CUDA, or when
+    trainer.pad_packs=true; on CPU otherwise they are only recorded. The drafters share one compiled attention
+    function, so its recompile limit is COMPILED_SHAPES_LIMIT per drafter."""
     pad = device.type == "cuda" if pad_packs is None else bool(pad_packs)
     if pad and device.type == "cuda":
         import torch._dynamo
 
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES_LIMIT)
-    return StaticShapes(tokens=pack_tokens, pad=pad)
+        limit = COMPILED_SHAPES_LIMIT * drafters
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    return pad
 
 
 def _autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

@@ -27,7 +27,8 @@ def fake_run(run_dir, target_dir, block_size: int, seed: int):
     drafter = DFlashDrafter.build(DFlashConfig(**fields), TargetInfo.load(target_dir), tokenizer)
     run = RunDir(run_dir)
     run.checkpoints.mkdir(parents=True)
-    torch.save({"drafter": drafter.state_dict()}, run.checkpoint(1))
+    meta = {"drafters": {"dflash": {"drafter": "dflash", "config": fields}}}  # as specdistill/trainer/checkpoint.py
+    torch.save({"drafters": {"dflash": {"drafter": drafter.state_dict()}}, "meta": meta}, run.checkpoint(1))
     run.run_info.write_text(json.dumps({"config": {"drafter": fields}}))
     run.metrics.write_text(json.dumps({"target": str(target_dir)}))
     return run_dir

@@ -68,3 +68,27 @@ def test_warm_start_lines_set_the_two_curves_side_by_side_and_time_the_scratch_r
     assert lines[-1].endswith("scratch 3.000, warm 3.300")
     warm["heldout_curve"][-1]["heldout_tau"] = warm["heldout_curve"][1]["heldout_tau"] = 3.0
     assert "warm not reached" in warm_start_lines("eagle3", base, scratch, warm)[-2]
+
+
+def test_the_default_is_one_shared_run_of_every_drafter_and_its_ablation(monkeypatch, tmp_path):
+    """bench/quality.py trains the drafters and their ablations in one run (one prefill) and reads each one's figures
+    out of metrics.json `drafters.<name>` beside the run's."""
+    from types import SimpleNamespace
+
+    import bench.quality as quality
+
+    calls = []
+
+    def fake_train(selector, run_dir, steps, quick, extra, committed=False):
+        calls.append((selector, steps, extra))
+        drafters = {n: {"tau_offline": 2.0 + i} for i, n in enumerate(("dflash", "dflash_zero", "eagle3", "eagle3_zero"))}
+        return {"train_tokens": 100, "drafters": drafters, "baselines": {}}
+
+    monkeypatch.setattr(quality, "train", fake_train)
+    out = quality.train_shared(["dflash", "eagle3"], tmp_path, 10, SimpleNamespace(quick=True, set=[]), False)
+    (selector, steps, extra), = calls
+    assert selector == ("drafters=[dflash,{drafter:dflash,name:dflash_zero,trainer:{feature_ablation:zero}},"
+                        "eagle3,{drafter:eagle3,name:eagle3_zero,trainer:{feature_ablation:zero}}]")
+    assert steps == 10 and "trainer.eval_every=2" in extra
+    assert out["eagle3"]["real"] == {"train_tokens": 100, "tau_offline": 4.0}
+    assert out["eagle3"]["ablation"]["tau_offline"] == 5.0

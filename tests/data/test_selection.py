@@ -41,7 +41,7 @@ def test_too_many_skips_stop_before_training_naming_the_longest_row_and_the_sett
     with pytest.raises(ValueError) as e:
         check_skipped(store, report, max_fraction=0.01, row_tokens=16, truncate="skip")
     msg = str(e.value)
-    for part in ("3 of 4 rows (75.0%)", "data.max_skipped_fraction=0.01", "row 2 (40 tokens)",
+    for part in ("3 of 4 rows (75.0%)", "data.max_skipped_fraction=0.01", "row 2 (40 tokens)", "line 3 (row 2)",
                  "trainer.token_budget=16", "data.truncate=left"):
         assert part in msg, (part, msg)
     check_skipped(store, report, max_fraction=0.75, row_tokens=16, truncate="skip")  # allowed: no error
@@ -50,3 +50,37 @@ def test_too_many_skips_stop_before_training_naming_the_longest_row_and_the_sett
 def test_unknown_truncate_mode_lists_the_valid_ones(store):
     with pytest.raises(ValueError, match="data.truncate='right'; valid: left, skip"):
         select_rows(store, 16, "right")
+
+
+def test_rows_cut_to_the_context_are_rows_the_vllm_backend_takes(tmp_path, monkeypatch):
+    """trainer.token_budget >= the target's context with data.truncate=left: rows are kept to context - 1 tokens (the
+    one rule, core.vllm_engine.max_row_tokens), which the vLLM feature backend, built as the trainer builds it
+    (max_row_tokens = min(context, token_budget)), accepts; a row of exactly the context it would refuse."""
+    from transformers import LlamaConfig
+
+    from specdistill.core.contract import FeatureSpec, TokenizedRow
+    from specdistill.data.config import DataConfig
+    from specdistill.data.selection import load_selected
+
+    context = 64
+    target = tmp_path / "target"
+    target.mkdir()
+    save_tokenizer(workload_tokenizer(), target)
+    LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=context).save_pretrained(target)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(10, 10 + n)), "loss_mask": [0] * (n - 5) + [1] * 5})
+                            + "\n" for n in (context, context + 16, 20)))
+    rows, report, _ = load_selected(path, target, tmp_path / "cache", min(context, 4096), DataConfig(),
+                                    progress=False)
+    assert rows.num_tokens.tolist() == [context - 1, context - 1, 20] and report.truncated == 2
+    vllm_backend = pytest.importorskip("specdistill.feature_server.vllm_backend")
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr("vllm.LLM", lambda **kwargs: object())  # the engine itself is not needed here
+    backend = vllm_backend.VLLMBackend(str(target), FeatureSpec((1,)), device=current_platform.device_type,
+                                       dtype="float32", max_row_tokens=min(context, 4096))
+    assert backend.max_model_len == context
+    backend._check_rows(list(rows))
+    with pytest.raises(ValueError, match="row 0: 64 tokens"):
+        backend._check_rows([TokenizedRow(0, (1,) * context, (0,) * (context - 1) + (1,))])

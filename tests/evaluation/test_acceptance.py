@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from specdistill.core.batch import PackedBatch  # noqa: E402
 from specdistill.core.contract import FeatureSample  # noqa: E402
 from specdistill.evaluation.acceptance import (  # noqa: E402
-    NO_STAGE, evaluate, evaluate_report, sampled_walk, stages_by_row_id, verify_lossless)
+    NO_STAGE, evaluate, evaluate_report, sampled_walk, verify_lossless)
 
 
 def test_verify_lossless_emits_the_target_distribution_and_accepts_sum_min_p_q():
@@ -202,15 +202,6 @@ def test_draft_distribution_of_mtp(tmp_path):
         batch.input_ids_T[a + 1:a + 4] = drafts[n]
     with torch.no_grad():
         assert torch.equal(drafter.draft_logits(batch, head, anchors).argmax(-1), drafter.propose(batch, head, anchors))
-
-
-def test_stages_by_row_id_counts_blank_lines_and_names_bad_fields(tmp_path):
-    path = tmp_path / "rows.jsonl"
-    path.write_text(json.dumps({"stage": "a"}) + "\n\n" + json.dumps({"x": 1}) + "\n")
-    assert stages_by_row_id(path) == {0: "a", 2: NO_STAGE}
-    path.write_text(json.dumps({"stage": 3}) + "\n")
-    with pytest.raises(ValueError, match=r"line 1 \(row 0\), field 'stage'"):
-        stages_by_row_id(path)
 
 
 def _make_rows_the_targets_greedy(sample, head, last):

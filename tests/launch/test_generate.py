@@ -84,6 +84,10 @@ def test_regenerate_vllm_and_hf_equal_an_independent_greedy_loop(tiny_target, tm
     """fp32 tiny Llama: backend=vllm and backend=hf write the same rows, and those are the model's own greedy
     continuations by a plain forward-argmax loop (no generate(), no KV cache)."""
     target, tok, rows = regen_rows(tiny_target)
+    # a conversation: 3 turns, each after the target's own earlier turns (vLLM queues a turn as the one before ends)
+    rows.append({"messages": [{"role": "user", "content": "a tent"}, {"role": "assistant", "content": "x"},
+                              {"role": "user", "content": "cheaper"}, {"role": "assistant", "content": "y"},
+                              {"role": "user", "content": "thanks"}]})
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     written = {}
@@ -91,11 +95,16 @@ def test_regenerate_vllm_and_hf_equal_an_independent_greedy_loop(tiny_target, tm
         out = tmp_path / f"{backend}.jsonl"
         summary = run(parse([f"target.path={target}", f"input={src}", f"output={out}", "max_new_tokens=12",
                              f"backend={backend}", "dtype=float32"]))
-        assert summary["backend"] == backend and summary["rows_written"] == len(rows) - 1
+        assert summary["backend"] == backend and summary["rows_written"] == len(rows) - 1 + 2
         assert summary["rows_skipped_too_long"] == 1 and summary["rows_per_s"] > 0
-        written[backend] = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
+        written[backend] = sorted((json.loads(line) for line in out.read_text().splitlines()),
+                                  key=lambda r: (r["id"], r["turn"]))
     assert written["vllm"] == written["hf"]
-    assert [r["id"] for r in written["hf"]] == [i for i in range(len(rows)) if i != 3]
+    assert [r["id"] for r in written["hf"]] == [i for i in range(len(rows)) if i != 3] + [len(rows) - 1] * 2
+    assert [r["turn"] for r in written["hf"][-3:]] == [1, 3, 5]
+    reply = tok.decode(written["hf"][-3]["input_ids"][written["hf"][-3]["loss_mask"].index(1):],
+                       skip_special_tokens=True)
+    assert reply in tok.decode(written["hf"][-2]["input_ids"])  # turn 3's history: the target's turn 1
     assert written["hf"][0]["stage"] == "search_queries"  # carried over
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     stop = tok.convert_tokens_to_ids("<|im_end|>")
@@ -150,4 +159,4 @@ def test_regenerate_rejects_unknown_keys_and_bad_rows(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2]}\n{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match=r"line 2 \(row 1\).*messages, prompt, input_ids"):
-        read_prompts(bad, tokenizer=None)
+        read_prompts(bad, chat=None)

@@ -32,10 +32,11 @@ from specdistill.launch.ray_job import Node, NodeBundles, compose_run, pick_node
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def _layout(trainer_device="cpu", worker_device="cpu", node_gpus=0) -> NodeBundles:
-    """The production node's shape: 2 trainer ranks + 6 feature workers (3 per rank)."""
-    cfg = OmegaConf.create({"trainer": {"device": trainer_device, "ranks": 2},
-                            "feature_server": {"device": worker_device, "workers": 6, "threads_per_worker": 2}})
+def _layout(trainer_device="cpu", worker_device="cpu", node_gpus=0, ranks=2, workers=6, share=False) -> NodeBundles:
+    """The production node's shape by default: 2 trainer ranks + 6 feature workers (3 per rank)."""
+    cfg = OmegaConf.create({"trainer": {"device": trainer_device, "ranks": ranks},
+                            "feature_server": {"device": worker_device, "workers": workers, "threads_per_worker": 2,
+                                               "share_trainer_device": share}})
     return NodeBundles.from_config(cfg, node_gpus)
 
 
@@ -63,6 +64,13 @@ def test_gpu_layout_orders_devices_like_torchrun():
 
     plan = plan_node(2, 6, "auto", "cuda", cuda_devices=8)
     assert plan.trainer_devices == ("cuda:0", "cuda:1") and plan.worker_devices[1] == ("cuda:5", "cuda:6", "cuda:7")
+
+
+def test_workers_sharing_the_trainers_gpu_reserve_no_gpu_of_their_own():
+    """layout=gpu1 on Ray: the rank's bundle holds the one GPU, its worker's bundle CPUs only."""
+    layout = _layout(trainer_device="cuda", worker_device="cuda", node_gpus=1, ranks=1, workers=1, share=True)
+    assert layout.bundles() == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 2.0}]
+    assert visible_devices([["3"], []], layout) == "3"
 
 
 def test_gpus_asked_of_a_cpu_cluster_fail_clearly():

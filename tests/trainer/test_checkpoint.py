@@ -10,7 +10,7 @@ from specdistill.trainer.checkpoint import TrainState, load_checkpoint, rank_ent
 from specdistill.trainer.config import TrainerConfig
 from specdistill.trainer.optim import Optimizers
 
-META = {"drafter": "dflash", "target_layer_ids": [1, 2], "model_type": "llama"}
+META = {"model_type": "llama", "drafters": {"dflash": {"drafter": "dflash", "target_layer_ids": [1, 2]}}}
 
 
 def _parts(seed: int):
@@ -23,10 +23,12 @@ def _parts(seed: int):
 
 
 def _save(tmp_path, states: list[TrainState], model, optimizers, generator):
-    """What Trainer._save writes: full model/optimizer states and one entry per rank."""
-    return save_checkpoint(RunDir(tmp_path), states[0].step, [rank_entry(s, generator) for s in states],
-                           parallel.model_state(model), parallel.optimizer_state(model, optimizers.optimizers),
-                           META, 2)
+    """What Trainer._save writes: full model/optimizer states per drafter and one entry per rank."""
+    own = {"dflash": {"generator": generator.get_state(), "steps": states[0].step, "train_seconds": 1.0,
+                      "last_loss": 0.5, "stopped": None}}
+    drafters = {"dflash": {"drafter": parallel.model_state(model),
+                           "optimizers": parallel.optimizer_state(model, optimizers.optimizers), "validation": None}}
+    return save_checkpoint(RunDir(tmp_path), states[0].step, [rank_entry(s, own) for s in states], drafters, META, 2)
 
 
 def test_a_crash_during_save_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
@@ -50,12 +52,12 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_usable(tmp_path, mon
     assert path.name == "step_00000001.pt"  # the half-written step 2 is only ever a .tmp
     fresh, fresh_opt, fresh_gen = _parts(1)
     ckpt = load_checkpoint(path, META)
-    parallel.load_model_state(fresh, ckpt.drafter)
-    parallel.load_optimizer_state(fresh, fresh_opt.optimizers, ckpt.optimizers)
-    state, generator_state = ckpt.rank_state(0, 1)
+    parallel.load_model_state(fresh, ckpt.drafters["dflash"]["drafter"])
+    parallel.load_optimizer_state(fresh, fresh_opt.optimizers, ckpt.drafters["dflash"]["optimizers"])
+    state, own = ckpt.rank_state(0, 1)
     assert state.step == 1 and state.consumed_row_ids == {3, 5}
     assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
-    assert torch.equal(generator_state, generator.get_state())
+    assert torch.equal(own["dflash"]["generator"], generator.get_state()) and own["dflash"]["steps"] == 1
     for ours, theirs in zip(fresh_opt.optimizers, optimizers.optimizers):  # Muon momentum, AdamW moments
         a, b = ours.state_dict()["state"], theirs.state_dict()["state"]
         assert a.keys() == b.keys() and all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
@@ -71,7 +73,7 @@ def test_a_checkpoint_of_two_ranks_resumes_each_rank_or_any_other_count(tmp_path
     # Three ranks now: every one skips what any rank trained on (it only meets its own shard's rows), and the
     # counters are carried once, by rank 0, so the job's totals (summed over ranks) stay the same.
     resumed = [ckpt.rank_state(r, 3) for r in range(3)]
-    assert all(s.consumed_row_ids == {0, 1, 2, 3, 5} and s.step == 4 and g is None for s, g in resumed)
+    assert all(s.consumed_row_ids == {0, 1, 2, 3, 5} and s.step == 4 and g == {} for s, g in resumed)
     assert [s.train_tokens for s, _ in resumed] == [250, 0, 0]
     assert [s.train_seconds for s, _ in resumed] == [10.0] * 3  # wall-clock: rank 0's, not a sum
 
@@ -79,5 +81,9 @@ def test_a_checkpoint_of_two_ranks_resumes_each_rank_or_any_other_count(tmp_path
 def test_a_checkpoint_of_another_setup_is_refused(tmp_path):
     model, optimizers, generator = _parts(0)
     path = _save(tmp_path, [TrainState(step=1)], model, optimizers, generator)
-    with pytest.raises(ValueError, match="target_layer_ids=\\[1, 2\\].*use a new hydra.run.dir"):
-        load_checkpoint(path, {**META, "target_layer_ids": [1, 3]})
+    other_layers = {**META, "drafters": {"dflash": {"drafter": "dflash", "target_layer_ids": [1, 3]}}}
+    with pytest.raises(ValueError, match="'dflash' was written with target_layer_ids=\\[1, 2\\].*new hydra.run.dir"):
+        load_checkpoint(path, other_layers)
+    more_drafters = {**META, "drafters": {**META["drafters"], "eagle3": {"drafter": "eagle3", "target_layer_ids": [2]}}}
+    with pytest.raises(ValueError, match=r"holds drafters \['dflash'\], this run trains \['dflash', 'eagle3'\]"):
+        load_checkpoint(path, more_drafters)

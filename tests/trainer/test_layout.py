@@ -31,6 +31,43 @@ def test_too_few_devices_is_a_clear_error(monkeypatch):
         plan_node(ranks=1, workers=1, trainer_device="cuda:3", worker_device="cpu", cuda_devices=4)
 
 
+def test_one_gpu_holds_rank_and_worker_only_when_asked(monkeypatch):
+    """layout=gpu1 (feature_server.share_trainer_device): the worker runs on its rank's own GPU; without the opt-in
+    the same layout on one GPU is refused, naming the opt-in."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    one = plan_node(ranks=1, workers=1, trainer_device="cuda", worker_device="cuda", cuda_devices=1,
+                    share_trainer_device=True)
+    assert one.trainer_devices == ("cuda:0",) and one.worker_devices == (("cuda:0",),)
+    with pytest.raises(RuntimeError, match=r"needs 2 CUDA devices \(1 trainer ranks \+ 1 feature workers.*has 1; .*"
+                                           r"share_trainer_device=true"):
+        plan_node(ranks=1, workers=1, trainer_device="cuda", worker_device="cuda", cuda_devices=1)
+    # each rank shares its own GPU with its own workers; auto follows the trainer
+    two = plan_node(ranks=2, workers=4, trainer_device="auto", worker_device="auto", cuda_devices=2,
+                    share_trainer_device=True)
+    assert two.trainer_devices == ("cuda:0", "cuda:1")
+    assert two.worker_devices == (("cuda:0", "cuda:0"), ("cuda:1", "cuda:1"))
+    # on a CPU trainer there is nothing to share but "cpu"
+    cpu = plan_node(ranks=1, workers=2, trainer_device="cpu", worker_device="auto", cuda_devices=0,
+                    share_trainer_device=True)
+    assert cpu.worker_devices == (("cpu", "cpu"),)
+
+
+def test_sharing_refuses_too_few_gpus_and_contradictions():
+    with pytest.raises(RuntimeError, match=r"needs 2 CUDA devices \(2 trainer ranks, each sharing its device with its "
+                                           r"1 feature worker\(s\)\), this machine has 1"):
+        plan_node(ranks=2, workers=2, trainer_device="cuda", worker_device="cuda", cuda_devices=1,
+                  share_trainer_device=True)
+    with pytest.raises(RuntimeError, match="needs 1 CUDA devices .* this machine has 0"):
+        plan_node(ranks=1, workers=1, trainer_device="cuda", worker_device="cuda", cuda_devices=0,
+                  share_trainer_device=True)
+    with pytest.raises(ValueError, match=r"trainer's device \(cuda\), but feature_server.device=cpu"):
+        plan_node(ranks=1, workers=1, trainer_device="cuda", worker_device="cpu", cuda_devices=1,
+                  share_trainer_device=True)
+    with pytest.raises(ValueError, match=r"trainer's device \(cpu\), but feature_server.device=cuda"):
+        plan_node(ranks=1, workers=1, trainer_device="cpu", worker_device="cuda", cuda_devices=1,
+                  share_trainer_device=True)
+
+
 def test_torchrun_sets_ranks_and_enough_workers_unless_given():
     from specdistill.trainer.layout import torchrun_sizes
 

@@ -56,7 +56,8 @@ def test_held_out_curve_best_export_and_resume_keep_the_best(data, tmp_path):
     assert metrics["tau_offline"] == pytest.approx(1 + sum(metrics["per_position_acceptance"]))
     assert metrics["heldout_drafts"] >= metrics["heldout_split"]["report_rows"]
     saved = load_checkpoint(trainer.run.latest_checkpoint(), trainer.meta)
-    assert saved.validation["best_step"] == best["step"] and saved.validation["curve"] == curve
+    validation = saved.drafters["dflash"]["validation"]
+    assert validation["best_step"] == best["step"] and validation["curve"] == curve
     log = [json.loads(line) for line in RunDir(tmp_path / "run").train_log.read_text().splitlines()]
     assert [r["step"] for r in log if "heldout/heldout_tau" in r] == [0, 2, 4, 6]
     # A run resumed from its step-3 checkpoint knows the step-2 point and continues the same curve.

@@ -1,6 +1,6 @@
-"""Model-free drafters (bench/baselines.py): the floor a trained drafter is compared against."""
+"""Model-free drafters (specdistill/evaluation/baselines.py): the floor a trained drafter is compared against."""
 
-from bench.baselines import BigramTable, PromptLookup, acceptance
+from specdistill.evaluation.baselines import BigramTable, PromptLookup, acceptance
 from specdistill.core.contract import TokenizedRow
 
 
