@@ -82,7 +82,8 @@ class FeatureFeed:
         self._error: BaseException | None = None
         self._server: FeatureServer | None = None
         self._counted = dict.fromkeys(EPOCH_COUNTERS, 0.0)  # server counters already reported
-        self.final_counts: dict = {}  # counts since the last EpochEnd, once closed (a run stopped mid-epoch)
+        self.final_counts: dict = {}  # counts the main thread never received, once closed (close())
+        self._undelivered: dict = {}  # an EpochEnd's counts that close() kept from being queued
         self.server_stats: dict = {}  # the server's last stats (engine loads, streams), once closed
         self.max_open_packs = 0  # packs being assembled at once, at most (each holds a pack buffer: docs/scaling.md)
         self._thread = threading.Thread(target=self._run, name="feature-feed", daemon=True)
@@ -111,11 +112,21 @@ class FeatureFeed:
         return item
 
     def close(self) -> None:
-        """Stop the feed thread and its server (workers stopped, segments swept); idempotent."""
+        """Stop the feed thread and its server (workers stopped, segments swept); idempotent. `final_counts` then
+        holds every count the main thread has not received: the epoch in progress, and an EpochEnd queued but never
+        read (the run stopped at max_steps right after an epoch's last pack)."""
         self._stop.set()
         if self._server is not None:
             self._server.cancel()  # a stream waiting on a worker gives up at its next poll
         self._thread.join()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, EpochEnd):
+                for key, value in item.counts.items():
+                    self.final_counts[key] = self.final_counts.get(key, 0) + value
 
     def __enter__(self):
         return self.start()
@@ -136,7 +147,9 @@ class FeatureFeed:
                 for group in _grouped(self._epoch_packs(skip), self._grad_accum):
                     if not self._put(group):
                         return
-                if not self._put(EpochEnd(epoch, self._counts_since_last())):
+                end = EpochEnd(epoch, self._counts_since_last())
+                if not self._put(end):
+                    self._undelivered = end.counts  # closed while it waited for room: final_counts keeps them
                     return
             self._put(None)
         except StreamCancelled:
@@ -147,7 +160,8 @@ class FeatureFeed:
             self._put(_Failed(e), force=True)
         finally:
             if self._server is not None:
-                self.final_counts = self._counts_since_last()
+                since = self._counts_since_last()
+                self.final_counts = {k: since[k] + self._undelivered.get(k, 0) for k in since}
                 self._server.close()
                 self.server_stats = self._server.stats()
 

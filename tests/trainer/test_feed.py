@@ -157,3 +157,30 @@ def test_rows_of_varying_length_give_only_the_planned_shapes_when_padded():
     planned = {("anchor_block", b * B, budget + b * B, B, None, False)
                for b in {anchor_bucket(n) for n in range(max_anchors + 1)}}
     assert static.seen <= planned and 1 <= static.count < len(packs)
+
+
+def test_an_epochs_counts_queued_but_never_read_reach_the_final_counts():
+    """A run that stops at max_steps right after an epoch's last pack never reads that epoch's EpochEnd: its counts
+    (extraction seconds) must still reach the trainer, through final_counts (they used to be lost: 0.0 s)."""
+    server = FakeServer()
+    f = feed(server, rows(4), max_epochs=1).start()
+    packs = [f.next(), f.next()]  # the epoch's two packs; its EpochEnd stays queued
+    assert all(isinstance(p, list) for p in packs)
+    deadline = time.monotonic() + 10
+    while f._queue.qsize() < 2 and time.monotonic() < deadline:  # EpochEnd and the None after it
+        time.sleep(0.01)
+    f.close()
+    assert f.final_counts["extract_wall_s_sum"] == 0.5 * server.samples == 2.0
+
+
+def test_an_epochs_counts_kept_from_a_full_queue_by_close_reach_the_final_counts():
+    """The same when the EpochEnd never got into the queue: it waited for room behind packs the run did not take."""
+    server = FakeServer()
+    f = feed(server, rows(4), max_epochs=1, prefetch=1).start()
+    first = f.next()  # 2 packs: one read, one queued; the EpochEnd after them waits for room and never queues
+    deadline = time.monotonic() + 10
+    while server.samples < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    f.close()
+    assert isinstance(first, list) and f.final_counts["extract_wall_s_sum"] == 0.5 * server.samples == 2.0
