@@ -1,9 +1,11 @@
 """Offline acceptance of trained drafters on held-out rows: JSON per drafter and per stage, plus one plot.
 
     python -m bench.acceptance --run RUN_DIR [--run RUN_DIR2 ...] --rows heldout.jsonl --out DIR \
-        [--temperature 0] [--draft-mode greedy|sample] [--seed 0] [--max-rows N] [--max-tokens N] [--target DIR]
+        [--drafter NAME ...] [--temperature 0] [--draft-mode greedy|sample] [--seed 0] [--max-rows N]
+        [--max-tokens N] [--target DIR]
 
-Each run dir is a finished (or interrupted) training run (specdistill.evaluation.reload.load_run: its last checkpoint). The
+Each run dir is a finished (or interrupted) training run (specdistill.evaluation.reload.load_run: its last checkpoint);
+every drafter it trained is evaluated (a `drafters=[...]` run has several), or those named by --drafter. The
 target defaults to the one the run trained against (metrics.json "target", else the resolved config). Writes
 DIR/acceptance.json ({"runs": {label: report}}, report = tau, per_position a_k, conditional a_k/a_{k-1}, counters,
 by_stage) and DIR/acceptance.png (a_k and conditional acceptance by position, one line per drafter), and prints
@@ -41,9 +43,20 @@ def run_label(run_dir: Path, drafter_name: str, taken: set[str]) -> str:
     return label
 
 
+def run_drafters(run_dir: Path, wanted: list[str]) -> list[str]:
+    """The run's drafters to evaluate: all it trained, or those of `wanted` it trained (an error when none)."""
+    from specdistill.evaluation.reload import drafter_names
+
+    trained = drafter_names(run_dir)
+    chosen = [n for n in trained if n in wanted] if wanted else trained
+    if not chosen:
+        raise ValueError(f"{run_dir} trained {trained}: none of --drafter {' '.join(wanted)}")
+    return chosen
+
+
 def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temperature: float, draft_mode: str,
-                 seed: int, max_rows: int | None, max_tokens: int | None):
-    """(drafter name, AcceptanceReport) of one run on the held-out rows."""
+                 seed: int, max_rows: int | None, max_tokens: int | None, name: str | None = None):
+    """(drafter name, AcceptanceReport) of one run's drafter `name` (None: its only one) on the held-out rows."""
     import torch
     from transformers import AutoTokenizer
 
@@ -54,7 +67,7 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
     from specdistill.evaluation.reload import load_run
 
     target_dir = target_dir or run_target(run_dir)
-    drafter, head, info = load_run(run_dir, target_dir)
+    drafter, head, info = load_run(run_dir, target_dir, name)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     stages: dict[int, str] = {}  # row id -> stage, numbered as the rows are (a conversation's turns each a row)
     rows, skips = load_rows(rows_path, tokenizer, info.max_position_embeddings, stages=stages)
@@ -66,7 +79,7 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
         report = evaluate_as_served(drafter, head, server, spec.layer_ids, torch.device("cpu"),
                                     stages=stages, temperature=temperature,
                                     draft_mode=draft_mode, seed=seed, max_generated=max_tokens)
-    return drafter.name, report
+    return name or drafter.name, report
 
 
 def plot(reports: dict, path: Path, title: str) -> None:
@@ -95,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run", action="append", required=True, type=Path, help="training run dir (repeatable)")
     ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (specdistill/data/synthetic.py rows)")
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--drafter", action="append", default=[],
+                    help="of a drafters=[...] run, the drafter to evaluate by its name (repeatable; default: all)")
     ap.add_argument("--target", type=Path, default=None, help="default: the target each run trained against")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--draft-mode", default="greedy", choices=("greedy", "sample"),
@@ -105,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     reports = {}
     for run_dir in args.run:
-        name, report = evaluate_run(run_dir, args.rows, args.target, args.temperature, args.draft_mode, args.seed,
-                                    args.max_rows, args.max_tokens)
-        reports[run_label(run_dir, name, set(reports))] = report
+        for name in run_drafters(run_dir, args.drafter):
+            name, report = evaluate_run(run_dir, args.rows, args.target, args.temperature, args.draft_mode,
+                                        args.seed, args.max_rows, args.max_tokens, name)
+            reports[run_label(run_dir, name, set(reports))] = report
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"rows": str(args.rows), "temperature": args.temperature, "draft_mode": args.draft_mode,
                "seed": args.seed, "argv": sys.argv, "runs": {k: r.to_dict() for k, r in reports.items()}}

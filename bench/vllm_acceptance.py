@@ -1,7 +1,9 @@
 """vLLM's own acceptance counters for a trained export against the offline walk, on the same prompts.
 
     python -m bench.vllm_acceptance --run RUN_DIR --method dflash|eagle3|mtp --rows heldout.jsonl \
-        [--prompts 8] [--max-tokens 32] [--target DIR] [--max-model-len N]
+        [--drafter NAME] [--prompts 8] [--max-tokens 32] [--target DIR] [--max-model-len N]
+
+--drafter names the drafter of a `drafters=[...]` run (its export/<name>/); a one-drafter run needs none.
 
 1. the target alone, greedy, max_tokens + K: its continuations (an engine verifies a draft past max_tokens and
    then truncates, so the walk needs the K tokens beyond);
@@ -31,10 +33,11 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from bench.prompts import read_prompts  # noqa: E402
 from bench.vllm_serve import ServeResult, serve  # noqa: E402
 from specdistill.core.run_dir import RunDir  # noqa: E402
+from specdistill.evaluation.reload import drafter_metrics, export_dir  # noqa: E402
 
 
 def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], continuations: list[list[int]],
-                             max_generated: int | None, stages: list[str] | None = None):
+                             max_generated: int | None, stages: list[str] | None = None, name: str | None = None):
     """specdistill.evaluation.acceptance's report over rows prompt + continuation (loss on the continuation)."""
     import torch
 
@@ -44,7 +47,7 @@ def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], cont
     from specdistill.evaluation.served import evaluate_as_served
     from specdistill.evaluation.reload import load_run
 
-    drafter, head, _ = load_run(run_dir, target_dir)
+    drafter, head, _ = load_run(run_dir, target_dir, name)
     rows = [TokenizedRow(i, tuple(p + c), tuple([0] * len(p) + [1] * len(c)))
             for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))]
     spec = drafter.feature_spec()
@@ -55,23 +58,24 @@ def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], cont
 
 def served_vs_offline(run_dir, target_dir, method: str, prompts: list[list[int]], max_tokens: int,
                       stages: list[str] | None = None, base: ServeResult | None = None, timed: bool = False,
-                      **engine_kwargs: Any) -> dict:
+                      name: str | None = None, **engine_kwargs: Any) -> dict:
     """base (max_tokens + K), speculative (max_tokens) and the offline report; K from the run's drafter.
 
     timed: both runs also measure decode speed (ServeResult tokens_per_s_all / tokens_per_s_one).
     `base`: the target alone's greedy run on these prompts (max_tokens + K tokens each, ignore_eos) when the caller
-    has one already; the served-drafter tests share one per target instead of starting an engine for each."""
+    has one already; the served-drafter tests share one per target instead of starting an engine for each.
+    name: the drafter of a `drafters=[...]` run (None: the run's only one)."""
     run_dir = Path(run_dir)
-    run = RunDir(run_dir)
-    K = json.loads(run.metrics.read_text())["num_speculative_tokens"]
+    K = drafter_metrics(run_dir, name)["num_speculative_tokens"]
     if base is None:
         base = serve(str(target_dir), prompts, max_tokens + K, ignore_eos=True, timed=timed, **engine_kwargs)
     elif len(base.output_token_ids) != len(prompts) or {len(o) for o in base.output_token_ids} != {max_tokens + K}:
         raise ValueError(f"base run: {len(base.output_token_ids)} outputs of lengths "
                          f"{sorted({len(o) for o in base.output_token_ids})}; need {len(prompts)} of {max_tokens + K}")
-    spec = serve(str(target_dir), prompts, max_tokens, str(run.export), method=method,
+    spec = serve(str(target_dir), prompts, max_tokens, str(export_dir(run_dir, name)), method=method,
                  num_speculative_tokens=K, ignore_eos=True, timed=timed, **engine_kwargs)
-    offline = offline_on_continuations(run_dir, target_dir, prompts, base.output_token_ids, max_tokens, stages)
+    offline = offline_on_continuations(run_dir, target_dir, prompts, base.output_token_ids, max_tokens, stages,
+                                       name)
     return dict(base=base, spec=spec, offline=offline, K=K, prompts=prompts, max_tokens=max_tokens)
 
 
@@ -96,6 +100,7 @@ def report_lines(result: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, type=Path)
+    ap.add_argument("--drafter", default=None, help="of a drafters=[...] run, the drafter's name")
     ap.add_argument("--method", required=True, help="dflash, eagle3 or mtp (passed to vLLM explicitly)")
     ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (specdistill/data/synthetic.py rows)")
     ap.add_argument("--prompts", type=int, default=8)
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     target = args.target or Path(json.loads(RunDir(args.run).metrics.read_text())["target"])
     prompts, stages = read_prompts(args.rows, None, args.prompts)
-    result = served_vs_offline(args.run, target, args.method, prompts, args.max_tokens, stages, **extra)
+    result = served_vs_offline(args.run, target, args.method, prompts, args.max_tokens, stages, name=args.drafter,
+                               **extra)
     print("\n".join(report_lines(result)), flush=True)
     return 0
 
