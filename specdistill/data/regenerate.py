@@ -30,7 +30,9 @@ chat server returns it without a reasoning or tool parser), so a template that p
 text (Qwen3's </think>) still drops it from later prompts. A recorded turn with tool calls must call them again: its
 calls' text as the template renders them must appear in the regenerated turn, or the recorded tool results that
 follow answer calls the target did not make - the conversation ends at that turn (the turn itself is written, with
-"ended": "tool_call_differs", counted in the summary). Harmony-format targets (gpt-oss), whose replies a server parses
+"ended": "tool_call_differs", counted in the summary). So does a turn recorded without a call where the target calls
+one of the row's tools (the text the template renders such a call with, through the tool's name, is in its answer)
+and a later turn follows: the recording has no result for that call. Harmony-format targets (gpt-oss), whose replies a server parses
 into channels, keep the recorded history where they reproduce it and otherwise need `turns=last`.
 
 Scale: the input is read as it is consumed (never held whole; a Parquet row group in pieces), each row is written
@@ -142,7 +144,11 @@ class Dialogue:
                 message = reply_message(self.chat, self.history[:k], recorded, response, self.tools)
             except ChatError as e:
                 raise self._error(e) from None
-            if message is None:
+            # A call where none was recorded matters only where a later turn's history would follow this one.
+            new_call = (self.i + 1 < len(self.positions) and message is not recorded
+                        and not (recorded or {}).get("tool_calls")
+                        and unrecorded_call(self.chat, self.history[:k], response, self.tools))
+            if message is None or new_call:
                 self.ended = "tool_call_differs"
             elif k < len(self.history):
                 self.history[k] = message
@@ -208,6 +214,31 @@ def reply_message(chat: ChatFormat, before: list[dict], recorded: dict | None, r
     for token in chat.tokenizer.all_special_tokens:
         content = content.replace(token, "")
     return chat.normalise([{"role": "assistant", "content": content.strip(), "tool_calls": calls}])[0]
+
+
+def unrecorded_call(chat: ChatFormat, before: list[dict], response: list[int], tools: list | None) -> bool:
+    """Whether the target's answer to a turn recorded without tool calls calls one of the row's tools: the text the
+    template renders a call to it with begins, through the tool's name and its closing quote (Llama 3
+    '{"name": "search"', Qwen3 '<tool_call>\\n{"name": "search"'), somewhere in the answer. The recording then goes
+    on with no result for it."""
+    raw = chat.tokenizer.decode(response, skip_special_tokens=False)
+    return any(opening in raw for opening in call_openings(chat, before, tools))
+
+
+def call_openings(chat: ChatFormat, before: list[dict], tools: list | None) -> list[str]:
+    """For each function of `tools`, how the template's rendering of a call to it begins, through its name and the
+    character after it (none where the template does not render the call with its name: such calls go undetected)."""
+    out = []
+    for spec in tools or []:
+        name = (spec.get("function") or {}).get("name") if isinstance(spec, dict) else None
+        if not isinstance(name, str) or not name:
+            continue
+        probe = {"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}
+        text = tool_call_text(chat, before, chat.normalise([probe])[0], tools)
+        if text and name in text:
+            out.append(text[:text.index(name) + len(name) + 1])  # with what closes the name: "search", not "searching"
+    return out
 
 
 def tool_call_text(chat: ChatFormat, before: list[dict], recorded: dict, tools: list | None) -> str | None:

@@ -154,3 +154,35 @@ def test_a_tool_call_in_other_words_keeps_the_recorded_call(tmp_path):
     message = reply_message(chat, before, recorded, chat.encode("Let me look. " + text) + [eot], TOOLS)
     assert message["content"] == "Let me look." and message["tool_calls"] == recorded["tool_calls"]
     assert reply_message(chat, before, recorded, chat.encode(text.replace("tents", "lamps")) + [eot], TOOLS) is None
+
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_a_tool_call_where_none_was_recorded_ends_the_conversation_when_a_turn_follows(family, tmp_path):
+    """Turn 1 was recorded as text, and the user answered it; a target that calls search() there (in its family's
+    call format) has no tool result to read next: the conversation ends at that turn. Text alone goes on; at the
+    last turn nothing follows."""
+    from specdistill.data.formats import Where
+    from specdistill.data.regenerate import dialogue, unrecorded_call
+    from tests.data.chat_families import END_OF_TURN
+
+    chat = ChatFormat.load(build_tokenizer(family, tmp_path / "tok", [json.dumps(r) for r in RECORDED]))
+    row = {"messages": RECORDED[0]["messages"], "tools": TOOLS}
+    before = chat.normalise(row["messages"][:1])
+    eot = [chat.tokenizer.convert_tokens_to_ids(END_OF_TURN[family])]
+    text = tool_call_text(chat, before, chat.normalise([call("red trail shoes")])[0], TOOLS)
+    calling, talking = chat.encode(text) + eot, chat.encode("Red ones here, and blue.") + eot
+    assert unrecorded_call(chat, before, calling, TOOLS) and not unrecorded_call(chat, before, talking, TOOLS)
+    assert not unrecorded_call(chat, before, calling, None)  # no tools offered: no call to find
+    other = chat.encode(text.replace('"search"', '"searching"')) + eot  # not a tool of the row
+    assert not unrecorded_call(chat, before, other, TOOLS)
+
+    def answered(*responses):
+        d = dialogue(0, row, Where(tmp_path / "in.jsonl", 0), chat, "all")
+        for response in responses:
+            d.answer(response)
+        return d
+
+    assert answered(calling).ended == "tool_call_differs" and answered(calling).finished
+    d = answered(talking, calling)  # text at turn 1, a call at the last turn: both written, none ended
+    assert d.ended is None and d.finished and d.history[1]["content"] == "Red ones here, and blue."
