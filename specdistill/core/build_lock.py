@@ -29,10 +29,12 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,33 @@ def dead_scratch(entry: Path, what: str = "building") -> list[Path]:
         if pid.isdigit() and not _alive(int(pid)):
             out.append(path)
     return out
+
+
+def publish_dir(tmp: Path, final: Path, is_complete: Callable[[Path], bool]) -> bool:
+    """Rename the directory built in `tmp` into place as `final`. A complete entry already there (a builder on another
+    node got past the lock) is kept and tmp left to the caller to remove (returns False); an incomplete leftover (an
+    older layout, a crash's partial copy) is moved aside and removed. A complete entry is never removed, so readers
+    that found it complete without the lock stay safe."""
+    if is_complete(final):
+        log.info("%s: built meanwhile by another process; using it", final)
+        return False
+    if final.exists():
+        aside = scratch_name(final, "incomplete")
+        with suppress(FileNotFoundError):
+            os.rename(final, aside)
+            if is_complete(aside):  # published between the check and the rename: put it back
+                with suppress(OSError):
+                    os.rename(aside, final)
+                return False
+            shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.rename(tmp, final)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and is_complete(final):
+            log.info("%s: built meanwhile by another process; using it", final)
+            return False
+        raise
+    return True
 
 
 def lock_mode() -> str:

@@ -38,9 +38,7 @@ winner's) and never removes one; the lock that makes the others wait falls back 
 flock is unsupported (specdistill/core/build_lock.py).
 """
 
-import contextlib
 import copy
-import errno
 import hashlib
 import json
 import logging
@@ -54,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specdistill.core.build_lock import build_lock, dead_scratch, scratch_name
+from specdistill.core.build_lock import build_lock, dead_scratch, publish_dir, scratch_name
 from specdistill.core.contract import TokenizedRow
 from specdistill.core.rows import Rows
 from specdistill.data.chat import ChatFormat, check_template_kwargs
@@ -351,36 +349,10 @@ def _build(path: Path, tokenizer_dir: Path, final: Path, workers: int, progress:
             bar.set_postfix(rows_per_s=f"{rows / elapsed:,.0f}", tokens_per_s=f"{tokens / elapsed:,.0f}")
         bar.close()
         _assemble(path, tmp, [results[k] for k in range(len(pieces))], time.perf_counter() - t0, procs, settings)
-        _publish(tmp, final)
+        publish_dir(tmp, final, is_complete)
     finally:
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename the built store into place. A complete store already there (a builder on another node got past the
-    lock: see specdistill/core/build_lock.py) is kept and this one dropped; an incomplete leftover (no readable
-    meta.json: an older layout, a partial copy) is moved aside and removed. A complete store is never removed."""
-    if is_complete(final):
-        log.info("%s: built meanwhile by another process; using it", final)
-        return
-    if final.exists():
-        aside = scratch_name(final, "incomplete")
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(final, aside)
-            if is_complete(aside):  # published between the check and the rename: put it back
-                with contextlib.suppress(OSError):
-                    os.rename(aside, final)
-                return
-            shutil.rmtree(aside, ignore_errors=True)
-    try:
-        os.rename(tmp, final)
-    except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and is_complete(final):
-            log.info("%s: built meanwhile by another process; using it", final)
-            return
-        raise
-
 
 class _Failed:
     def __init__(self, error: BaseException):

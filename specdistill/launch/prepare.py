@@ -6,9 +6,10 @@ fingerprint and the workload settings), so re-runs and resumes never regenerate 
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
-from specdistill.core.build_lock import build_lock
+from specdistill.core.build_lock import build_lock, dead_scratch, publish_dir, scratch_name
 from specdistill.data.corpus_workload import CorpusWorkload, make_corpus_workload
 from specdistill.data.generate import resolve_backend
 from specdistill.launch.config import DataConfig, TargetConfig
@@ -69,12 +70,27 @@ def resolve_data(cfg: DataConfig, target_dir: Path, cache_dir: Path) -> tuple[Pa
     key = json.dumps([target_fingerprint(target_dir), *settings])
     out_dir = cache_dir / "workloads" / hashlib.sha256(key.encode()).hexdigest()[:12]
     train, heldout = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
-    if train.is_file() and heldout.is_file():
+    if workload_complete(out_dir):
         return train, heldout
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(out_dir):  # concurrent runs sharing the cache wait for one generator
-        if train.is_file() and heldout.is_file():
-            return train, heldout
-        return _make_data(cfg, backend, target_dir, out_dir)
+        if not workload_complete(out_dir):
+            # Generated in a directory of its own and published by one rename: a reader never sees train.jsonl
+            # without its heldout.jsonl, and a complete workload is never replaced under it.
+            for leftover in dead_scratch(out_dir):  # a killed build's directory (this host's; the lock is ours)
+                shutil.rmtree(leftover, ignore_errors=True)
+            scratch = scratch_name(out_dir)
+            try:
+                _make_data(cfg, backend, target_dir, scratch)
+                publish_dir(scratch, out_dir, workload_complete)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    return train, heldout
+
+
+def workload_complete(out_dir: Path) -> bool:
+    """A generated workload is whole once its meta file is there (written last)."""
+    return all((out_dir / f).is_file() for f in ("train.jsonl", "heldout.jsonl", "workload_meta.json"))
 
 
 def _make_data(cfg: DataConfig, backend: str, target_dir: Path, out_dir: Path) -> tuple[Path, Path]:

@@ -16,7 +16,6 @@ tiny-qwen3.5-moe is transformers-only here (vLLM's Qwen3.5 module imports torchv
 """
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -38,7 +37,7 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from specdistill.core.build_lock import build_lock
+from specdistill.core.build_lock import build_lock, dead_scratch, publish_dir, scratch_name
 from specdistill.launch.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf, save_tokenizer, workload_tokenizer
 from specdistill.data.workload import generate_rows
 
@@ -236,21 +235,24 @@ def is_complete(target_dir: Path) -> bool:
 
 
 def ensure_target(name: str, cache_dir: str | Path) -> Path:
-    """cache_dir/name, built once. Built in a temp dir beside it then renamed, so a crash leaves no half checkpoint;
-    concurrent callers wait for one builder (specdistill/core/build_lock.py)."""
+    """cache_dir/name, built once. Built in a directory of its own beside it (host, pid, random) and published by
+    one rename, so a crash leaves no half checkpoint and a complete one is never removed under a reader; concurrent
+    callers, on this node or others sharing the cache, wait for one builder (specdistill/core/build_lock.py)."""
     get_spec(name)
     final = Path(cache_dir) / name
     if is_complete(final):
         return final
+    final.parent.mkdir(parents=True, exist_ok=True)
     with build_lock(final):
         if is_complete(final):  # built while this process waited
             return final
-        scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+        for leftover in dead_scratch(final):  # a killed build's directory (this host's; the lock is ours)
+            shutil.rmtree(leftover, ignore_errors=True)
+        scratch = scratch_name(final)
         try:
+            scratch.mkdir()
             make_target(name, scratch)
-            if final.exists():  # an incomplete leftover (a crash before the rename, an older layout)
-                shutil.rmtree(final)
-            os.rename(scratch, final)
+            publish_dir(scratch, final, is_complete)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return final

@@ -1,7 +1,7 @@
 """One builder per cache entry (specdistill/core/build_lock.py), with flock and with the owner-file fallback used
 where flock is unsupported: a second process is refused (naming the holder) or waits, a holder killed with -9 never
-blocks the next one, a holder on another node that stops its heartbeat is taken over, and scratch names never
-collide."""
+blocks the next one, a holder on another node that stops its heartbeat is taken over, scratch names never
+collide, and publishing a build never removes a complete entry."""
 
 import errno
 import json
@@ -15,7 +15,8 @@ import time
 import pytest
 
 import specdistill.core.build_lock as build_lock_module
-from specdistill.core.build_lock import LockHeld, build_lock, dead_scratch, owner_path, scratch_name
+from specdistill.core.build_lock import (LockHeld, build_lock, dead_scratch, owner_path, publish_dir,
+                                         scratch_name)
 from tests.cli import REPO
 
 HOLD = """
@@ -102,3 +103,24 @@ def test_scratch_names_are_unique_per_host_process_and_call(tmp_path):
     for p in (a, dead, other_host):
         p.mkdir()
     assert dead_scratch(tmp_path / "key") == [dead]  # a live process's and another host's stay
+
+
+def test_a_build_is_published_by_rename_and_never_replaces_a_complete_entry(tmp_path):
+    def complete(d):
+        return (d / "meta.json").is_file()
+
+    def built(text):
+        tmp = scratch_name(tmp_path / "entry")
+        tmp.mkdir()
+        (tmp / "data").write_text(text)
+        (tmp / "meta.json").write_text("{}")
+        return tmp
+
+    final = tmp_path / "entry"
+    final.mkdir()
+    (final / "data").write_text("half")  # a crashed in-place build of an older layout: no meta.json
+    first = built("first")
+    assert publish_dir(first, final, complete) and not first.exists() and (final / "data").read_text() == "first"
+    second = built("second")  # a builder on another node got past the lock: the first stays, the second is dropped
+    assert not publish_dir(second, final, complete) and (final / "data").read_text() == "first" and second.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["entry", second.name])  # the leftover removed
