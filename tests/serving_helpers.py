@@ -20,6 +20,7 @@ from bench.prompts import read_prompts
 from bench.vllm_acceptance import served_vs_offline
 from bench.vllm_serve import ServeResult, serve
 from specdistill.core.run_dir import RunDir
+from specdistill.evaluation.reload import drafter_metrics
 
 MAX_TOKENS, PROMPTS = 24, 6
 
@@ -48,14 +49,16 @@ class TargetAloneRuns:
         return dataclasses.replace(run, output_token_ids=[o[:max_tokens] for o in run.output_token_ids])
 
 
-def served_run(name: str, run_dir: Path, target_dir: Path, method: str, target_alone: TargetAloneRuns) -> dict:
-    """base / spec ServeResults, the offline AcceptanceCounts, K and the prompts of one trained run."""
+def served_run(name: str, run_dir: Path, target_dir: Path, method: str, target_alone: TargetAloneRuns,
+               drafter: str | None = None) -> dict:
+    """base / spec ServeResults, the offline AcceptanceCounts, K and the prompts of one trained run (of its drafter
+    `drafter` for a drafters=[...] run)."""
     prompts = run_heldout_prompts(run_dir)
-    K = json.loads(RunDir(run_dir).metrics.read_text())["num_speculative_tokens"]
+    K = drafter_metrics(run_dir, drafter)["num_speculative_tokens"]
     base = target_alone.get(target_dir, prompts, MAX_TOKENS + K)  # the walk reads K tokens past MAX_TOKENS
-    result = served_vs_offline(run_dir, target_dir, method, prompts, MAX_TOKENS, base=base)
+    result = served_vs_offline(run_dir, target_dir, method, prompts, MAX_TOKENS, base=base, name=drafter)
     return dict(name=name, target_dir=target_dir, run_dir=run_dir, prompts=prompts, base=result["base"],
-                spec=result["spec"], offline=result["offline"].total, K=result["K"])
+                spec=result["spec"], offline=result["offline"].total, K=result["K"], drafter=drafter)
 
 
 def assert_lossless(served: dict) -> None:

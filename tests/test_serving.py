@@ -4,7 +4,8 @@ The offline walk (specdistill.evaluation.acceptance) replays vLLM's greedy decod
 vLLM's own base outputs, so its counters should equal vLLM's: exactly on tiny-llama (fp32), closely on
 tiny-qwen3-next (bf16 kernels). Comparing counters, not only outputs, is what catches the silent failures of
 docs/vllm.md: a guessed method or off-by-one layer ids stay lossless but change acceptance. The last test
-proves the check is sensitive by serving such a broken export.
+proves the check is sensitive by serving such a broken export. One case serves a drafter of a drafters=[...] run
+(its export/<name>/), trained on vLLM's own features.
 """
 
 import json
@@ -14,6 +15,7 @@ import pytest
 
 from bench.vllm_serve import serve
 from specdistill.core.run_dir import RunDir
+from specdistill.evaluation.reload import drafter_metrics
 from tests.serving_helpers import (MAX_TOKENS, SERVED_TRAIN, assert_acceptance_matches_offline, assert_lossless,
                                    served_run)
 from tests.cli import run_train
@@ -22,10 +24,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TRAIN = ["drafter=dflash", *SERVED_TRAIN]
 
 
-# The third case trains on features extracted by vLLM itself (feature_server=vllm): its export must pass the same
-# checks as one trained on transformers' features.
+# The third case trains on features extracted by vLLM itself (feature_server=vllm), and trains DFlash beside
+# EAGLE-3 from that one stream (drafters=[...]: the workers extract the union of their layers): its
+# export/dflash/ must pass the same checks as a solo run's export trained on transformers' features.
+SHARED = ["drafters=[{drafter:dflash,num_layers:1,init_from_target:false},eagle3]",
+          *(o for o in SERVED_TRAIN if not o.startswith("drafter."))]
+
+
 @pytest.fixture(scope="module", params=[("tiny-llama", "hf"), ("tiny-qwen3-next", "hf"), ("tiny-llama", "vllm")],
-                ids=["tiny-llama", "tiny-qwen3-next", "tiny-llama-vllm-features"])
+                ids=["tiny-llama", "tiny-qwen3-next", "tiny-llama-vllm-features-shared-run"])
 def served(request, tmp_path_factory, cache_dir, tiny_target, target_alone_runs):
     target, features = request.param
     target_dir = tiny_target(target)
@@ -33,11 +40,14 @@ def served(request, tmp_path_factory, cache_dir, tiny_target, target_alone_runs)
     # On the hybrid target, two layers: vLLM must place every drafting layer in one KV-cache group
     # (specdistill/drafters/vllm_groups.py), which a 1-layer export never tests.
     layers = ["drafter.num_layers=2"] if target == "tiny-qwen3-next" else []
-    run_train([f"target={target}", f"feature_server={features}", *TRAIN, *layers, f"hydra.run.dir={run_dir}"],
-              cache_dir)
+    shared = features == "vllm"
+    run_train([f"target={target}", f"feature_server={features}", *(SHARED if shared else [*TRAIN, *layers]),
+               f"hydra.run.dir={run_dir}"], cache_dir)
     config = json.loads(RunDir(run_dir).run_info.read_text())["config"]
-    assert config["drafter"]["name"] == "dflash" and config["feature_server"]["backend"] == features
-    return {**served_run(target, run_dir, target_dir, "dflash", target_alone_runs), "features": features}
+    assert config["feature_server"]["backend"] == features
+    drafter = "dflash" if shared else None
+    served = served_run(target, run_dir, target_dir, "dflash", target_alone_runs, drafter)
+    return {**served, "features": features, "metrics": drafter_metrics(run_dir, drafter)}
 
 
 def test_served_outputs_are_lossless(served):
@@ -47,7 +57,7 @@ def test_served_outputs_are_lossless(served):
 def test_trained_drafter_is_well_above_the_untrained_one(served):
     """The export's held-out tau against the same held-out rows walked at step 0 (the untrained drafter, the
     first point of the run's curve): a drafter that does not learn, or an export of the wrong weights, fails."""
-    metrics = json.loads(RunDir(served["run_dir"]).metrics.read_text())
+    metrics = served["metrics"]  # the drafter's part of a shared run's
     untrained = metrics["heldout_curve"][0]
     assert untrained["step"] == 0
     assert metrics["tau_offline"] >= untrained["heldout_tau"] + 0.25, (metrics["tau_offline"], untrained)
