@@ -314,14 +314,21 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
 
 
 @pytest.mark.slow
-def test_ranks_with_uneven_shards_stop_together(tmp_path, cache_dir, tiny_target):
-    """15 rows over 2 ranks, one row per pack, one epoch: rank 0 has 8 steps of data, rank 1 has 7. Both stop
-    after step 7 (a rank alone in the gradient all-reduce would wait until collective_timeout_s and fail)."""
+@pytest.mark.parametrize("parallel, grad_accum, steps", [("ddp", 1, 7), ("fsdp", 2, 4)])
+def test_ranks_with_uneven_shards_stop_together(parallel, grad_accum, steps, tmp_path, cache_dir, tiny_target):
+    """15 rows over 2 ranks, one row per pack, one epoch: rank 0 has 8 packs, rank 1 has 7. One pack a step: both
+    stop after step 7 (a rank alone in the gradient all-reduce would wait until collective_timeout_s and fail).
+    Two packs a step: step 4 is two packs on rank 0 and one on rank 1, which repeats it at weight 0 so that both
+    make the same collectives (FSDP gathers on every forward). Then the curve (one point, at step 0) ends before
+    the last step: every rank walks the final weights with rank 0 (under FSDP, a gather)."""
     tiny_target("tiny-llama")
     args = [a for a in SMALL if not a.startswith(("trainer.token_budget", "data.rows"))]
     run_dir = tmp_path / "uneven"
     run_train(["target=tiny-llama", *args, "data.rows=15", "trainer.token_budget=200", "trainer.max_epochs=1",
                "trainer.max_steps=100", "trainer.device=cpu", "trainer.eval_rows=1", "trainer.ranks=2",
-               "feature_server.workers=2", "trainer.collective_timeout_s=120", f"hydra.run.dir={run_dir}"], cache_dir)
+               "feature_server.workers=2", "trainer.collective_timeout_s=120", f"trainer.parallel={parallel}",
+               f"trainer.grad_accum={grad_accum}", f"hydra.run.dir={run_dir}"], cache_dir)
     metrics = json.loads(RunDir(run_dir).metrics.read_text())
-    assert metrics["steps"] == 7 and metrics["samples_lost"] == metrics["samples_duplicated"] == 0
+    assert metrics["steps"] == steps and metrics["samples_lost"] == metrics["samples_duplicated"] == 0
+    assert metrics["packs"] == 15 if grad_accum == 2 else 14  # rank 0's 8th pack waits for a step of one pack
+    assert metrics["heldout_curve"][-1]["step"] == steps

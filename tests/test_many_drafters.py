@@ -87,12 +87,28 @@ def test_a_drafter_whose_loss_goes_non_finite_stops_and_the_others_go_on(data, t
     trainer._step(batch, state)
     assert state.step == 3 and trainer.entries[0].steps == 1 and trainer.entries[0].active
     assert eagle.stopped["step"] == 3 and "loss is nan" in eagle.stopped["why"] and eagle.steps == 0
+    assert eagle.stopped["train_tokens"] == 0  # what its last weights (step 2's) had seen here
     assert all(torch.equal(before[k], v) for k, v in eagle.drafter.state_dict().items())
+
+    class InfiniteGradient(torch.autograd.Function):  # a finite loss whose gradients are not
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * float("inf")
+
     dflash = trainer.entries[0]
-    dflash.model = lambda b, head, gen: replace(real(b, head, gen), loss=torch.tensor(float("inf")))
-    with pytest.raises(FloatingPointError, match=r"dflash: step 4: loss is inf.*eagle3: step 3: loss is nan"):
+    real_dflash = dflash.model
+    dflash.model = lambda b, head, gen: (lambda out: replace(out, loss=InfiniteGradient.apply(out.loss)))(
+        real_dflash(b, head, gen))
+    before = {k: v.clone() for k, v in dflash.drafter.state_dict().items()}
+    with pytest.raises(FloatingPointError, match=r"dflash: step 4: the loss is finite but its gradients are not.*"
+                                                 r"eagle3: step 3: loss is nan"):
         trainer._step(batch, state)  # none left: the run fails
-    assert state.step == 3
+    assert state.step == 3 and dflash.steps == 1
+    assert all(torch.equal(before[k], v) for k, v in dflash.drafter.state_dict().items())  # no inf/nan step
 
 
 def test_entries_are_named_by_kind_with_repeats_numbered_and_settings_kept_apart():

@@ -81,7 +81,7 @@ class Checkpoint:
         """This rank's TrainState and, per drafter, its generator state and progress. Saved by as many ranks as now
         run: each takes its own back (a bit-exact resume). Saved by another number of ranks: every rank skips the
         rows any rank had trained on this epoch (each only sees its own shard of them), rank 0 carries the summed
-        counters, and the drafters' RNGs start fresh (an empty dict)."""
+        counters, and the drafters' RNGs start fresh (their progress is rank 0's, without a generator state)."""
         if len(self.ranks) == world_size:
             entry = self.ranks[rank]
             raw = entry["state"]
@@ -95,7 +95,10 @@ class Checkpoint:
                     len(consumed))
         state = TrainState(step=first["step"], epoch=first["epoch"], consumed_row_ids=consumed,
                            last_loss=first["last_loss"], train_seconds=first["train_seconds"], **counters)
-        return state, {}
+        # A drafter's progress (steps, stopped, seconds) is the same on every rank: rank 0's, without its RNG.
+        progress = {name: {k: v for k, v in saved.items() if k != "generator"}
+                    for name, saved in self.ranks[0]["drafters"].items()}
+        return state, progress
 
 
 def load_checkpoint(path: Path, meta: dict) -> Checkpoint:

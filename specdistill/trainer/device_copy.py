@@ -96,3 +96,21 @@ def on_device(item: "PackedBatch | StagedPack", device: torch.device, dtype: tor
     """A feed item as the step takes it: on `device`, states in `dtype` (cast on the device)."""
     batch = item.ready() if isinstance(item, StagedPack) else item
     return batch.to(device, dtype)
+
+
+class StepPacks:
+    """A step's packs as every drafter of the run reads them, `steps` micro-batches long (past `items`, the caller
+    repeats the last at weight 0). One pack, the usual step, is cast to fp32 once and shared; several are cast
+    each time one is read, so the step holds one fp32 copy at a time beside the packs as they came (on the device
+    in bf16 from the copier, or on the host)."""
+
+    def __init__(self, micro: list, device: torch.device, steps: int):
+        self.items = [item.ready() if isinstance(item, StagedPack) else item for item in micro]
+        self.device, self.steps = device, steps
+        self._one = self._cast(self.items[0]) if len(self.items) == 1 else None
+
+    def _cast(self, batch: PackedBatch) -> PackedBatch:
+        return batch.to(self.device, torch.float32)
+
+    def __getitem__(self, i: int) -> PackedBatch:
+        return self._one if self._one is not None else self._cast(self.items[i])

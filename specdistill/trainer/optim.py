@@ -124,9 +124,16 @@ class Optimizers:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 
-    def clip_step_and_zero(self, parameters, grad_clip: float) -> None:
+    def clip_step_and_zero(self, parameters, grad_clip: float, agree=None) -> bool:
         """The end of every optimizer step (the trainer's and bench/cached_curve.py's): clip the gradients' global
-        norm to trainer.grad_clip, step both optimizers, zero the gradients."""
-        torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
-        self.step()
+        norm to trainer.grad_clip, step both optimizers, zero the gradients. Gradients whose norm is not finite
+        (clipping would spread the inf/nan into every weight) are dropped without a step: returns False.
+        `agree(finite) -> bool`: how the ranks agree on that (trainer: all of them finite)."""
+        norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+        finite = bool(torch.isfinite(norm))
+        if agree is not None:
+            finite = agree(finite)
+        if finite:
+            self.step()
         self.zero_grad()
+        return finite

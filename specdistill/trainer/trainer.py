@@ -9,6 +9,7 @@ unless `drafters=[...]`) steps in turn on the same packs, so the target's prefil
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, replace
@@ -39,7 +40,7 @@ from specdistill.trainer.ablation import ablate, ablate_hidden, check_ablation
 from specdistill.trainer.checkpoint import SUMMED_OVER_RANKS, TrainState, load_checkpoint, rank_entry, save_checkpoint
 from specdistill.trainer.config import TrainerConfig
 from specdistill.trainer.consistency import check_same_dataset, dataset_fingerprint, prepared_state_hashes
-from specdistill.trainer.device_copy import DeviceCopier, on_device
+from specdistill.trainer.device_copy import DeviceCopier, StepPacks
 from specdistill.trainer.entries import Entry, EntrySpec, resolve_entries
 from specdistill.trainer.feed import EpochEnd, FeatureFeed
 from specdistill.trainer.metrics import StepMetrics
@@ -191,7 +192,8 @@ class Trainer:
         finally:
             self._close_feed(state)  # on errors too: its workers stop, its counts are kept
         for entry in self.entries:
-            if self._curve_ends_before(entry, state.step):
+            # Rank 0 holds the curve; every rank validates with it (a collective under fsdp).
+            if distributed.gather_objects(self._curve_ends_before(entry, state.step), self.dist)[0]:
                 self._validate(entry, state)  # the final weights are candidates for the export too
         self._save(state)
         return self._finish(state)
@@ -271,44 +273,58 @@ class Trainer:
         (host packs, or packs already being copied to the device: trainer/device_copy.py), read-only."""
         started = time.perf_counter()
         micro = [micro] if isinstance(micro, PackedBatch) else micro
-        batches = [on_device(item, self.dist.device, torch.float32) for item in micro]
+        packs = StepPacks(micro, self.dist.device, self._micro_batches(len(micro)))
         for entry in self._active():
             entry_started = time.perf_counter()
-            self._step_entry(entry, batches, state)
+            self._step_entry(entry, packs, state)
             entry.train_seconds += time.perf_counter() - entry_started
         if not self._active():  # the run fails only when no drafter is left
             raise FloatingPointError("; ".join(f"{e.name}: {e.stopped['why']}" for e in self.entries) +
                                      f". Nothing was written for this step; the last checkpoint is step "
                                      f"{state.step // self.cfg.checkpoint_every * self.cfg.checkpoint_every}")
-        for batch in batches:
+        for batch in packs.items:
             self._count_batch(batch, state)
         state.step += 1
         state.train_seconds += time.perf_counter() - started
         state.last_loss = self._active()[0].last_loss
 
-    def _step_entry(self, entry: Entry, batches: list[PackedBatch], state: TrainState) -> None:
+    def _micro_batches(self, mine: int) -> int:
+        """How many micro-batches every rank runs this step: the most any rank has. A rank's last group of an
+        epoch may be shorter than another's, and each micro-batch makes collectives (FSDP's gathers, the loss
+        agreement), so every rank must make as many."""
+        if not self.dist.enabled or self.cfg.grad_accum == 1:
+            return mine
+        t = torch.tensor([mine], device=self.dist.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    def _step_entry(self, entry: Entry, packs: "StepPacks", state: TrainState) -> None:
         """One drafter's optimizer step: the mean of its losses over the packs, so 1 rank x N packs and N ranks x 1
-        pack (DDP averages) take the same step. A non-finite loss on any rank stops this drafter on every rank
-        (before the poisoned update reaches its weights); the others go on."""
+        pack (DDP averages) take the same step. A non-finite loss, or finite loss with non-finite gradients, on any
+        rank stops this drafter on every rank before the poisoned update reaches its weights; the others go on."""
         entry.optimizers.set_step(state.step)
         losses = []
-        for i, batch in enumerate(batches):
-            batch = ablate(replace(batch, static=entry.static), entry.cfg.feature_ablation, entry.input_layer_ids,
-                           entry.generator)
-            last = i == len(batches) - 1
+        for i in range(packs.steps):
+            real = i < len(packs.items)  # past them: this rank repeats its last pack at weight 0 (_micro_batches)
+            batch = ablate(replace(packs[min(i, len(packs.items) - 1)], static=entry.static),
+                           entry.cfg.feature_ablation, entry.input_layer_ids, entry.generator)
             # Gradients are reduced over the ranks once, on the last micro-batch.
-            with parallel.gradient_sync(entry.model, self.cfg.parallel, self.dist, sync=last):
+            with parallel.gradient_sync(entry.model, self.cfg.parallel, self.dist, sync=i == packs.steps - 1):
                 with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
                     out = entry.model(batch, self.head, entry.generator)
                 if not distributed.all_ranks(bool(torch.isfinite(out.loss)), self.dist):
                     self._stop_entry(entry, batch, state, out.loss)
                     return
-                (out.loss / len(batches)).backward()
-            losses.append(float(out.loss.detach()))
-            for metrics in (entry.window, entry.totals, entry.since_validation):
-                metrics.add(out)
-        entry.optimizers.clip_step_and_zero(entry.drafter.parameters(), entry.cfg.grad_clip)
+                (out.loss * (1 / len(packs.items) if real else 0.0)).backward()
+            if real:
+                losses.append(float(out.loss.detach()))
+                for metrics in (entry.window, entry.totals, entry.since_validation):
+                    metrics.add(out)
+        if not entry.optimizers.clip_step_and_zero(entry.drafter.parameters(), entry.cfg.grad_clip,
+                                                   agree=lambda finite: distributed.all_ranks(finite, self.dist)):
+            self._stop_entry(entry, None, state, torch.tensor(sum(losses) / len(losses)))
+            return
         entry.steps += 1
         entry.last_loss = sum(losses) / len(losses)
 
@@ -322,18 +338,29 @@ class Trainer:
             state.samples_duplicated += len(seen_twice) + len(batch.row_ids) - len(set(batch.row_ids))
         state.consumed_row_ids.update(batch.row_ids)
 
-    def _stop_entry(self, entry: Entry, batch: PackedBatch, state: TrainState, loss: torch.Tensor) -> None:
-        """A drafter whose loss went non-finite stops here, its weights those of its last finite step; recorded
-        with the step, its last finite loss and the rows (were the target's states non-finite?)."""
+    def _stop_entry(self, entry: Entry, batch: PackedBatch | None, state: TrainState, loss: torch.Tensor) -> None:
+        """A drafter whose loss (or, batch None, whose gradients) went non-finite on some rank stops here on every
+        rank, its weights those of its last finite step; recorded with the step, its last finite loss and, from the
+        first rank where it went wrong, the loss, the rows and whether the target's states were finite."""
         entry.optimizers.zero_grad()
-        finite_T = torch.isfinite(batch.hidden_TLD).flatten(1).all(-1)
-        bad_docs = batch.document_ids_T[~finite_T].unique().tolist()
-        bad_rows = [batch.row_ids[d] for d in bad_docs if d < len(batch.row_ids)]  # not the padding document
-        where = (f"non-finite target hidden states in rows {bad_rows}" if bad_rows else
-                 "the target's hidden states are finite, so the drafter diverged (lower trainer.lr / muon_lr?)")
-        why = f"step {state.step + 1}: loss is {float(loss.detach())} on rows {list(batch.row_ids)}; {where}"
-        entry.stopped = {"step": state.step + 1, "last_finite_loss": entry.last_loss, "loss": float(loss.detach()),
-                         "why": why}
+        mine = {"rank": self.dist.rank, "loss": float(loss.detach())}
+        if batch is not None:
+            finite_T = torch.isfinite(batch.hidden_TLD).flatten(1).all(-1)
+            bad_docs = batch.document_ids_T[~finite_T].unique().tolist()
+            mine |= {"rows": list(batch.row_ids),
+                     "bad_rows": [batch.row_ids[d] for d in bad_docs if d < len(batch.row_ids)]}  # not the padding
+        seen = distributed.gather_objects(mine, self.dist)  # every rank stops here together
+        bad = next((r for r in seen if not math.isfinite(r["loss"])), seen[0])
+        if batch is None:
+            where = "the loss is finite but its gradients are not (their norm is inf/nan; lower trainer.lr / muon_lr?)"
+            why = f"step {state.step + 1}: {where}"
+        else:
+            where = (f"non-finite target hidden states in rows {bad['bad_rows']}" if bad["bad_rows"] else
+                     "the target's hidden states are finite, so the drafter diverged (lower trainer.lr / muon_lr?)")
+            on_rank = f" on rank {bad['rank']}" if self.dist.enabled else ""
+            why = f"step {state.step + 1}: loss is {bad['loss']}{on_rank} on rows {bad['rows']}; {where}"
+        entry.stopped = {"step": state.step + 1, "last_finite_loss": entry.last_loss, "loss": bad["loss"],
+                         "why": why, "train_tokens": state.train_tokens}
         left = [e.name for e in self._active()]
         log.error("drafter %s stopped: %s%s", entry.name, why, f" (still training: {left})" if left else "")
         self.tracker.log({"step": state.step + 1, f"{entry.name}/stopped": 1})
@@ -369,12 +396,10 @@ class Trainer:
             entry.validation = ValidationState.from_checkpoint(saved.get("validation"))
             parallel.load_model_state(entry.drafter, saved["drafter"])
             parallel.load_optimizer_state(entry.drafter, entry.optimizers.optimizers, saved["optimizers"])
-            own = entry_states.get(entry.name)
-            if own is not None:  # None: saved by another number of ranks (the RNG starts fresh, as before)
+            own = entry_states[entry.name]
+            if "generator" in own:  # not when saved by another number of ranks: the RNG starts fresh
                 entry.generator.set_state(own["generator"])
-                entry.load_state(own)
-            else:
-                entry.steps = state.step
+            entry.load_state(own)
         log.info("resumed from %s at step %d (epoch %d, %d rows consumed)", path, state.step, state.epoch,
                  len(state.consumed_row_ids))
         return state
@@ -447,15 +472,18 @@ class Trainer:
         drafter = self._unsharded_drafter(entry)  # a collective under fsdp: every rank calls it
         if not self.dist.is_main or entry.validator is None:
             return
-        point = entry.validator.run(drafter, self.head, state.step, state.train_tokens, entry.train_seconds,
+        # A stopped drafter's weights are of the step before it stopped, whenever they are walked.
+        step, tokens = ((entry.stopped["step"] - 1, entry.stopped.get("train_tokens", state.train_tokens))
+                        if entry.stopped else (state.step, state.train_tokens))
+        point = entry.validator.run(drafter, self.head, step, tokens, entry.train_seconds,
                                     entry.since_validation.tau_estimate)
         entry.since_validation = StepMetrics(entry.drafter.num_speculative_tokens)
-        log.info("step %d %sheld-out tau %.3f (a_1 %.3f), on training rows %s, best %.3f at step %d", state.step,
+        log.info("step %d %sheld-out tau %.3f (a_1 %.3f), on training rows %s, best %.3f at step %d", step,
                  self._prefix(entry, " "), point["heldout_tau"], point["heldout_per_position"][0],
                  "n/a" if point["train_rows_tau"] is None else f"{point['train_rows_tau']:.3f}",
                  entry.validation.best_tau, entry.validation.best_step)
-        self.tracker.log({"step": state.step, **self._series(entry, {f"heldout/{k}": v for k, v in point.items()
-                                                                     if k != "step"})})
+        # wandb's steps only go forward: logged at the run's step, the point says its drafter's
+        self.tracker.log({"step": state.step, **self._series(entry, {f"heldout/{k}": v for k, v in point.items()})})
 
     def _curve_ends_before(self, entry: Entry, step: int) -> bool:
         curve = entry.validation.curve

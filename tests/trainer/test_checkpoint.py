@@ -22,10 +22,10 @@ def _parts(seed: int):
     return model, optimizers, torch.Generator().manual_seed(seed)
 
 
-def _save(tmp_path, states: list[TrainState], model, optimizers, generator):
+def _save(tmp_path, states: list[TrainState], model, optimizers, generator, stopped=None):
     """What Trainer._save writes: full model/optimizer states per drafter and one entry per rank."""
     own = {"dflash": {"generator": generator.get_state(), "steps": states[0].step, "train_seconds": 1.0,
-                      "last_loss": 0.5, "stopped": None}}
+                      "last_loss": 0.5, "stopped": stopped}}
     drafters = {"dflash": {"drafter": parallel.model_state(model),
                            "optimizers": parallel.optimizer_state(model, optimizers.optimizers), "validation": None}}
     return save_checkpoint(RunDir(tmp_path), states[0].step, [rank_entry(s, own) for s in states], drafters, META, 2)
@@ -67,13 +67,17 @@ def test_a_checkpoint_of_two_ranks_resumes_each_rank_or_any_other_count(tmp_path
     model, optimizers, generator = _parts(0)
     states = [TrainState(step=4, consumed_row_ids={0, 2}, train_tokens=100, samples_lost=0, train_seconds=10.0),
               TrainState(step=4, consumed_row_ids={1, 3, 5}, train_tokens=150, samples_lost=0, train_seconds=10.5)]
-    ckpt = load_checkpoint(_save(tmp_path, states, model, optimizers, generator), META)
+    stopped = {"step": 3, "last_finite_loss": 0.5, "loss": float("inf"), "why": "diverged", "train_tokens": 80}
+    ckpt = load_checkpoint(_save(tmp_path, states, model, optimizers, generator, stopped), META)
     assert ckpt.rank_state(1, 2)[0].consumed_row_ids == {1, 3, 5}  # the same ranks: each its own
     assert ckpt.rank_state(1, 2)[0].train_tokens == 150
     # Three ranks now: every one skips what any rank trained on (it only meets its own shard's rows), and the
     # counters are carried once, by rank 0, so the job's totals (summed over ranks) stay the same.
     resumed = [ckpt.rank_state(r, 3) for r in range(3)]
-    assert all(s.consumed_row_ids == {0, 1, 2, 3, 5} and s.step == 4 and g == {} for s, g in resumed)
+    assert all(s.consumed_row_ids == {0, 1, 2, 3, 5} and s.step == 4 for s, _ in resumed)
+    # The drafter's progress is the same on every rank (a stopped drafter stays stopped); its RNG starts fresh.
+    assert all(g == {"dflash": {"steps": 4, "train_seconds": 1.0, "last_loss": 0.5, "stopped": stopped}}
+               for _, g in resumed)
     assert [s.train_tokens for s, _ in resumed] == [250, 0, 0]
     assert [s.train_seconds for s, _ in resumed] == [10.0] * 3  # wall-clock: rank 0's, not a sum
 

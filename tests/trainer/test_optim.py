@@ -91,3 +91,21 @@ def test_cpu_muon_step_moves_each_matrix_by_its_orthogonalised_update():
     cos = torch.nn.functional.cosine_similarity(step.flatten(), (u @ vh).flatten(), dim=0)
     singular = torch.linalg.svdvals(step)
     assert cos > 0.95 and singular.min() > 0.6 and singular.max() < 1.25, (cos, singular)
+
+
+def test_gradients_that_are_not_finite_are_dropped_without_a_step():
+    """Clipping an inf gradient's norm would spread nan into every weight: no step, the gradients zeroed, False."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizers = Optimizers(model, TrainerConfig())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(2, 4)).sum().backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    assert not optimizers.clip_step_and_zero(model.parameters(), 1.0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    assert not optimizers.clip_step_and_zero(model.parameters(), 1.0, agree=lambda finite: False)  # another rank's
+    model(torch.randn(2, 4)).sum().backward()
+    assert optimizers.clip_step_and_zero(model.parameters(), 1.0)
+    assert not torch.equal(before["0.weight"], model[0].weight)
