@@ -434,7 +434,18 @@ def read_chunk(chunk: Chunk, keep: Callable[[int], bool] | None = None) -> Itera
                 mine = [i - ids[0] for i in ids if keep(i)]
                 batch, ids = batch.take(mine), [ids[0] + i for i in mine]
             for i, obj in zip(ids, batch.to_pylist()):
-                yield i, obj, Where(path, i, unit="row")
+                yield i, _without_nulls(obj), Where(path, i, unit="row")
+
+
+def _without_nulls(value):
+    """An Arrow row as its JSON line would be: Arrow gives every struct of a column all of the column's keys, the
+    ones a row did not have as null (a tool call's arguments {"query": ...} beside another's {"city": ...} would
+    render as {"query": ..., "city": null}), so null-valued keys are dropped, at any depth."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def iter_rows(path: Path, keep: Callable[[int], bool] | None = None) -> Iterator[tuple[int, object, Where]]:
@@ -457,7 +468,8 @@ def tables(chunk: Chunk):
     else:
         for i, batch in enumerate(_arrow_batches(Path(chunk.path))):
             if chunk.start <= i < chunk.stop:
-                yield batch if chunk.rows is None else batch.slice(chunk.rows[0], chunk.rows[1] - chunk.rows[0])
+                piece = batch if chunk.rows is None else batch.slice(chunk.rows[0], chunk.rows[1] - chunk.rows[0])
+                yield _pyarrow("").Table.from_batches([piece])  # a table, like a row group (no copy)
 
 
 def _arrow_batches(path: Path):

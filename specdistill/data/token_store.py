@@ -64,8 +64,11 @@ log = logging.getLogger(__name__)
 
 STORE_VERSION = 2  # bump when the layout or the parsing changes: old caches are then never read
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json")
+                   "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt", "tekken.json",
+                   "tiktoken.model", "chat_template.jinja", "chat_template.json", "generation_config.json")
+# transformers also loads every template of additional_chat_templates/ (e.g. tool_use.jinja, used for rows with
+# tools) and *.tiktoken vocabularies: globbed beside the files above.
+TOKENIZER_GLOBS = ("additional_chat_templates/*.jinja", "*.tiktoken")
 _COPY_BYTES = 64 << 20
 
 
@@ -94,10 +97,12 @@ def content_digest(path: Path, memo_dir: Path) -> str:
 
 
 def tokenizer_digest(tokenizer_dir: Path) -> str:
-    """sha256 over the tokenizer's files (vocabulary, merges, special tokens, chat template) and
-    generation_config.json (its eos ids are stop tokens) in the directory."""
+    """sha256 over the tokenizer's files (vocabulary, merges, special tokens, chat templates, additional ones
+    included) and generation_config.json (its eos ids are stop tokens) in the directory."""
     h = hashlib.sha256()
     found = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+    found += sorted(str(p.relative_to(tokenizer_dir)) for pattern in TOKENIZER_GLOBS
+                    for p in tokenizer_dir.glob(pattern) if p.is_file())
     if not found:
         raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)")
     for name in found:
@@ -498,22 +503,24 @@ def _add_pretokenized_tables(chunk: Chunk, out: _ChunkWriter, vocab: int, bad_ro
                 return False
     first, arrays = chunk.first_row, []
     for table in pieces:  # every table checked before any row is added, so a bad_rows=skip fallback starts clean
-        ids_col, mask_col = (_one_array(table.column(name)) for name in ("input_ids", "loss_mask"))
-        offsets = ids_col.offsets.to_numpy().astype(np.int64)
-        ids = ids_col.values.to_numpy(zero_copy_only=False).astype(np.int64)
-        mask = mask_col.values.to_numpy(zero_copy_only=False)
+        (offsets, ids), (mask_offsets, mask) = (_list_rows(_one_array(table.column(name)))
+                                                for name in ("input_ids", "loss_mask"))
+        stages = table.column("stage").to_pylist() if "stage" in table.column_names else [None] * len(table)
         try:
-            _check_pretokenized(chunk, first, offsets, mask_col.offsets.to_numpy().astype(np.int64), ids, mask, vocab)
+            _check_pretokenized(chunk, first, offsets, mask_offsets, ids.astype(np.int64), mask, vocab)
+            bad_stage = next((i for i, stage in enumerate(stages) if stage is not None and not isinstance(stage, str)),
+                             None)
+            if bad_stage is not None:
+                raise Where(Path(chunk.path), first + bad_stage, "row").error("stage", "a string", stages[bad_stage])
         except DatasetError:
             if bad_rows == "stop":
                 raise
             return False
-        arrays.append((table, offsets, ids, mask))
+        arrays.append((offsets, ids.astype(np.int64), mask, stages))
         first += len(offsets) - 1
     first = chunk.first_row
-    for table, offsets, ids, mask in arrays:
+    for offsets, ids, mask, stages in arrays:
         n = len(offsets) - 1
-        stages = table.column("stage").to_pylist() if "stage" in table.column_names else [None] * n
         for i in range(n):
             row_id = first + i
             a, b = offsets[i], offsets[i + 1]
@@ -522,12 +529,17 @@ def _add_pretokenized_tables(chunk: Chunk, out: _ChunkWriter, vocab: int, bad_ro
             if b == a or not mask[a:b].any():
                 out.report.skip("no_response_tokens", row_id)
                 continue
-            stage = stages[i]
-            if stage is not None and not isinstance(stage, str):
-                raise Where(Path(chunk.path), row_id, "row").error("stage", "a string", stage)
-            out.add(row_id, -1, ids[a:b], mask[a:b], stage)
+            out.add(row_id, -1, ids[a:b], mask[a:b], stages[i])
         first += n
     return True
+
+
+def _list_rows(column) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets from 0, values) of a list column's rows: a piece of a record batch is a slice, whose offsets start
+    where the piece does and whose `.values` are the whole batch's."""
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.slice(offsets[0], offsets[-1] - offsets[0]).to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values
 
 
 def _one_array(column):

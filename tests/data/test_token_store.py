@@ -308,3 +308,58 @@ def test_response_token_counts_are_counted_once_per_selection_and_kept_with_the_
     again, _ = select_rows(TokenStore(store.dir), 40, "left")  # a later start: a fresh process's store
     assert np.array_equal(again.response_token_counts(vocab), expected)
     assert again.take(np.arange(len(again))[::-1]).selection_key(vocab) == again.selection_key(vocab)  # any order
+
+
+def test_arrow_chat_rows_and_arrow_structs_read_like_their_jsonl(tmp_path, tok_dir, tok):
+    """Chat rows in an Arrow file read as their JSONL does, though Arrow gives every struct of a column all of the
+    column's keys: a message without a key another message has gets it as null, which must not reach the
+    template."""
+    pa = pytest.importorskip("pyarrow")
+
+    rows = [chat(i) for i in range(12)]
+    rows[3]["messages"][0]["name"] = "system-prompt-v2"  # a key only one message has: the others get it as null
+    expected, _ = load_rows(write_jsonl(tmp_path / "rows.jsonl", rows), tok, max_tokens=10**9)
+    table = pa.Table.from_pylist(rows)
+    with pa.ipc.new_file(str(tmp_path / "rows.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    assert [obj for _, obj, _ in formats.iter_rows(tmp_path / "rows.arrow")] == rows
+    store = open_store(tmp_path / "rows.arrow", tok_dir, tmp_path / "cache", workers=1, progress=False)
+    assert same_rows(store.rows(), expected)
+
+
+def test_a_bad_pretokenized_row_in_a_piece_of_a_record_batch_is_named_right(tmp_path, tok_dir, monkeypatch):
+    """One record batch cut into pieces: each piece checks its own rows (a piece's list values are the whole
+    batch's), so a bad token or a short loss_mask is named at its own row, in whichever piece holds it."""
+    pa = pytest.importorskip("pyarrow")
+
+    ids = [[1, 2, 3, 4, 5, 6, 7, 8] for _ in range(300)]
+    mask = [[0, 0, 0, 0, 1, 1, 1, 1] for _ in range(300)]
+    ids[250][3] = 10**6
+    mask[120] = mask[120][:-1]
+
+    def write(name, ids, mask):
+        table = pa.table({"input_ids": ids, "loss_mask": mask})
+        with pa.ipc.new_file(str(tmp_path / name), table.schema) as writer:
+            writer.write_table(table)  # one record batch
+        return tmp_path / name
+
+    monkeypatch.setattr(formats, "PIECE_BYTES", 2000)
+    bad_mask = write("mask.arrow", ids, mask)
+    assert len(formats.chunks(bad_mask)) > 4
+    with pytest.raises(DatasetError, match=r"mask.arrow, row 120, field 'loss_mask'"):
+        open_store(bad_mask, tok_dir, tmp_path / "cache", workers=1, progress=False)
+    bad_token = write("token.arrow", ids, [[0, 0, 0, 0, 1, 1, 1, 1]] * 300)
+    with pytest.raises(DatasetError, match=r"token.arrow, row 250: token id 1000000 outside"):
+        open_store(bad_token, tok_dir, tmp_path / "cache", workers=1, progress=False)
+
+
+def test_every_chat_template_the_tokenizer_loads_is_in_the_store_key(tmp_path, tok_dir):
+    """transformers loads additional_chat_templates/*.jinja too (tool_use.jinja renders rows with tools): editing
+    one changes the tokens, so it changes the key."""
+    own = tmp_path / "tok"
+    shutil.copytree(tok_dir, own)
+    (own / "additional_chat_templates").mkdir()
+    (own / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS A {{ messages }}")
+    before = token_store.tokenizer_digest(own)
+    (own / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS B {{ messages }}")
+    assert token_store.tokenizer_digest(own) != before
