@@ -62,30 +62,34 @@ class PackedBatch:
                 "document_ids_T": self.document_ids_T, "position_ids_T": self.position_ids_T}
 
 
-def layout_ids(lengths: list[int], pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def layout_ids(lengths: list[int], pad_to: int | None = None,
+               device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(document_ids_T, position_ids_T) of rows of `lengths` laid end to end, then (pad_to) a padding document."""
     total = sum(lengths)
     if pad_to is not None and total > pad_to:
         raise ValueError(f"rows of {total} tokens do not fit a pack padded to {pad_to} (trainer.token_budget)")
     if pad_to is not None and total < pad_to:
         lengths = [*lengths, pad_to - total]
-    counts = torch.tensor(lengths, dtype=torch.int64)
-    document_ids_T = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+    counts = torch.tensor(lengths, dtype=torch.int64, device=device)
+    document_ids_T = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
     starts_T = torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    return document_ids_T, torch.arange(int(counts.sum())) - starts_T
+    return document_ids_T, torch.arange(sum(lengths), device=device) - starts_T
 
 
 def pack(samples: list[FeatureSample], layer_ids: tuple[int, ...], pad_to: int | None = None) -> PackedBatch:
-    """Samples laid end to end; with pad_to, padded to that many tokens (module docstring)."""
+    """Samples laid end to end; with pad_to, padded to that many tokens (module docstring). Built where the samples
+    are: the held-out walk moves a row to the GPU and pads it there, so its padding never crosses PCIe."""
     lengths = [s.input_ids_T.shape[0] for s in samples]
     real, pad = sum(lengths), (pad_to - sum(lengths) if pad_to else 0)
+    device = samples[0].input_ids_T.device
     hidden = [s.hidden_TLD for s in samples]
     if pad > 0:
         hidden.append(samples[0].hidden_TLD.new_zeros(pad, *samples[0].hidden_TLD.shape[1:]))
-    document_ids_T, position_ids_T = layout_ids(lengths, pad_to)
+    document_ids_T, position_ids_T = layout_ids(lengths, pad_to, device)
+    zeros = lambda dtype: [torch.zeros(max(pad, 0), dtype=dtype, device=device)]  # noqa: E731
     return PackedBatch(
-        input_ids_T=torch.cat([s.input_ids_T for s in samples] + [torch.zeros(max(pad, 0), dtype=torch.int64)]),
-        loss_mask_T=torch.cat([s.loss_mask_T.bool() for s in samples] + [torch.zeros(max(pad, 0), dtype=torch.bool)]),
+        input_ids_T=torch.cat([s.input_ids_T for s in samples] + zeros(torch.int64)),
+        loss_mask_T=torch.cat([s.loss_mask_T.bool() for s in samples] + zeros(torch.bool)),
         hidden_TLD=torch.cat(hidden),
         document_ids_T=document_ids_T,
         position_ids_T=position_ids_T,

@@ -240,7 +240,10 @@ def evaluate_report(drafter, head, samples, layer_ids, device, dtype, stages: di
         stage = (stages or {}).get(sample.row_id, NO_STAGE)
         counts = by_stage.setdefault(stage, AcceptanceCounts(K=K))
         pad_to = static.tokens if static is not None and static.pad else None
-        batch = replace(pack([sample], layer_ids, pad_to).to(device, dtype), static=static)
+        # The row crosses to the device as it is, its padding is made there, and its states are cast there.
+        moved = replace(sample, input_ids_T=sample.input_ids_T.to(device), loss_mask_T=sample.loss_mask_T.to(device),
+                        hidden_TLD=sample.hidden_TLD.to(device))
+        batch = replace(pack([moved], layer_ids, pad_to).to(device, dtype), static=static)
         evaluate_sample(drafter, head, batch, counts, max_generated, temperature, draft_mode, seed)
     drafter.train(was_training)
     total = AcceptanceCounts(K=K)

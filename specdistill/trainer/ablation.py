@@ -28,8 +28,10 @@ def check_ablation(mode: str, input_layer_ids: list[int], num_hidden_layers: int
 
 
 def ablate_hidden(hidden_TLD: torch.Tensor, layer_ids: tuple[int, ...], mode: str, input_layer_ids: list[int],
-                  generator: torch.Generator) -> torch.Tensor:
-    """hidden_TLD (layers in `layer_ids` order) with the drafter's input layers zeroed or position-shuffled."""
+                  generator: torch.Generator, real_tokens: int | None = None) -> torch.Tensor:
+    """hidden_TLD (layers in `layer_ids` order) with the drafter's input layers zeroed or position-shuffled.
+    real_tokens: the first positions that are rows (the rest a padded pack's padding, core/shapes.py): only they
+    are shuffled among themselves, so a padded pack is ablated as its unpadded one (the same permutation)."""
     if mode == "none":
         return hidden_TLD
     cols = [layer_ids.index(i) for i in input_layer_ids]
@@ -37,8 +39,9 @@ def ablate_hidden(hidden_TLD: torch.Tensor, layer_ids: tuple[int, ...], mode: st
     if mode == "zero":
         out[:, cols] = 0
     else:
-        perm = torch.randperm(hidden_TLD.shape[0], generator=generator).to(hidden_TLD.device)
-        out[:, cols] = hidden_TLD[perm][:, cols]
+        n = hidden_TLD.shape[0] if real_tokens is None else real_tokens
+        perm = torch.randperm(n, generator=generator).to(hidden_TLD.device)
+        out[:n, cols] = hidden_TLD[:n][perm][:, cols]
     return out
 
 
@@ -47,4 +50,4 @@ def ablate(batch: PackedBatch, mode: str, input_layer_ids: list[int], generator:
     if mode == "none":
         return batch
     return replace(batch, hidden_TLD=ablate_hidden(batch.hidden_TLD, batch.layer_ids, mode, input_layer_ids,
-                                                   generator))
+                                                   generator, batch.num_real_tokens))

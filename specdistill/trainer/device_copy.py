@@ -9,7 +9,8 @@ float32)` of a pageable bf16 pack instead converts on the host (a second, twice 
 through pinned memory (a third copy), on the thread that launches the step (docs/scaling.md, "Host copies").
 
 The pool holds a buffer per pack being assembled plus the ones whose copy has not finished: it grows to what the
-feed needs at once and then reuses (`PinnedBuffers.allocated`, `.bytes`; docs/scaling.md counts it).
+feed needs at once and then reuses (`PinnedBuffers.allocated`: buffers made, `.bytes`: held now; docs/scaling.md
+counts it).
 """
 
 import threading
@@ -21,7 +22,13 @@ from specdistill.core.batch import PackedBatch
 
 
 class PinnedBuffers:
-    """Page-locked pack buffers (PackAssembler's `buffers` hook), reused once the copy that read them is done."""
+    """Page-locked pack buffers (PackAssembler's `buffers` hook), reused once the copy that read them is done.
+
+    A buffer is reused for a pack of its exact shape: padded packs (trainer.pad_packs, the default on CUDA) all have
+    one. Unpadded packs have a length each, so at most MAX_FREE buffers are kept waiting for reuse and the oldest
+    beyond them are freed (after their copy): otherwise the pool would grow by a pack per step."""
+
+    MAX_FREE = 4
 
     def __init__(self):
         self._free: list[tuple[tuple, dict, torch.cuda.Event]] = []  # (shape key, buffers, the copy that read them)
@@ -57,6 +64,11 @@ class PinnedBuffers:
         with self._lock:
             key, buffers = self._lent.pop(batch.hidden_TLD.data_ptr())
             self._free.append((key, buffers, copied))
+            dropped, self._free = self._free[:-self.MAX_FREE], self._free[-self.MAX_FREE:]
+            for _, old, _ in dropped:
+                self.bytes -= sum(t.numel() * t.element_size() for t in old.values())
+        for _, _, old_copy in dropped:
+            old_copy.synchronize()  # their DMA done before the page-locked memory goes back
 
 
 @dataclass

@@ -624,6 +624,10 @@ def _pad_packs(pad_packs: bool | None, device: torch.device, drafters: int) -> b
     trainer.pad_packs=true; on CPU otherwise they are only recorded. The drafters share one compiled attention
     function, so its recompile limit is COMPILED_SHAPES_LIMIT per drafter."""
     pad = device.type == "cuda" if pad_packs is None else bool(pad_packs)
+    if not pad and device.type == "cuda":
+        log.warning("trainer.pad_packs=false on CUDA: every pack length and anchor count compiles flex attention "
+                    "anew, and past torch's recompile limit it runs uncompiled (metrics.json compiled_shapes counts "
+                    "them; docs/scaling.md, \"Compiled shapes\")")
     if pad and device.type == "cuda":
         import torch._dynamo
 

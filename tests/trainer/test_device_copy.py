@@ -1,6 +1,7 @@
 """Packs to a CUDA trainer (specdistill/trainer/device_copy.py): assembled in pinned buffers that are reused once
 their copy is done, copied on a side stream, equal on the device to what was assembled. GPU only: pinned memory
-and streams need a CUDA device (bench/gpu_check.sh runs these); the CPU path is the host pack itself."""
+and streams need a CUDA device (bench/gpu_check.sh runs these); the CPU path is the host pack itself. The pool's
+bookkeeping runs here on ordinary memory."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from specdistill.core.batch import PackAssembler
 from specdistill.core.contract import FeatureSample, TokenizedRow
 from specdistill.core.rows import as_rows
-from specdistill.trainer.device_copy import DeviceCopier, on_device
+from specdistill.trainer.device_copy import DeviceCopier, PinnedBuffers, on_device
 
 LAYERS, D = (1, 2), 8
 
@@ -52,3 +53,33 @@ def test_packs_copied_from_reused_pinned_buffers_equal_the_assembled_ones():
         assert got.hidden_TLD.device.type == "cuda" and got.hidden_TLD.dtype == torch.float32
         for key, tensor in want.items():
             torch.testing.assert_close(getattr(got, key).cpu(), tensor.to(getattr(got, key).dtype), msg=key)
+
+
+def test_the_pool_keeps_a_few_buffers_of_unpadded_lengths_not_one_per_pack():
+    """Unpadded packs (trainer.pad_packs=false on CUDA) each have a length of their own: the pool reuses what fits
+    and frees the oldest others (after their copy), instead of growing by a pack per step."""
+
+    class Done:  # a copy event that has completed
+        synchronized = 0
+
+        def synchronize(self):
+            Done.synchronized += 1
+
+    class Ordinary(PinnedBuffers):  # pageable memory: no CUDA here
+        def _new(self, key):
+            tokens, layers, hidden, dtype = key
+            buffers = {"input_ids_T": torch.empty(tokens, dtype=torch.int64),
+                       "loss_mask_T": torch.empty(tokens, dtype=torch.bool),
+                       "hidden_TLD": torch.empty(tokens, layers, hidden, dtype=dtype)}
+            self.allocated += 1
+            self.bytes += sum(t.numel() * t.element_size() for t in buffers.values())
+            return buffers
+
+    pool = Ordinary()
+    for tokens in [100 + i for i in range(30)] + [100, 100]:  # 30 lengths, then one seen before
+        buffers = pool(tokens, 2, 8, torch.bfloat16)
+        pool.release(type("Pack", (), {"hidden_TLD": buffers["hidden_TLD"]})(), Done())
+    assert pool.allocated == 31 and len(pool._free) == PinnedBuffers.MAX_FREE  # the last 100 reused the one before
+    held = sum(t.numel() * t.element_size() for _, buffers, _ in pool._free for t in buffers.values())
+    assert pool.bytes == held  # what the pool holds now, not all it ever made
+    assert Done.synchronized >= 30 - PinnedBuffers.MAX_FREE  # every freed buffer's copy waited for

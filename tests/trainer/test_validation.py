@@ -110,6 +110,12 @@ def test_ablation_takes_the_inputs_away_and_keeps_the_labels():
     assert torch.equal(shuffled[:, 2], hidden[:, 2]) and not torch.equal(shuffled[:, 0], hidden[:, 0])
     assert torch.equal(shuffled[:, 0].sort(0).values, hidden[:, 0].sort(0).values)  # the same states, moved
     assert ablate_hidden(hidden, layer_ids, "none", [1, 2], g) is hidden
+    # A padded pack (6 real tokens, then padding's zero states) is shuffled as its unpadded one: same permutation of
+    # the real positions, padding left as it was.
+    padded = torch.cat([hidden[:6], torch.zeros(4, 3, 4)])
+    ours = ablate_hidden(padded, layer_ids, "shuffle", [1, 2], torch.Generator().manual_seed(1), real_tokens=6)
+    unpadded = ablate_hidden(hidden[:6], layer_ids, "shuffle", [1, 2], torch.Generator().manual_seed(1))
+    assert torch.equal(ours[:6], unpadded) and ours[6:].abs().sum() == 0
     with pytest.raises(ValueError, match="reads layer 4"):
         check_ablation("zero", [4], 4)
     with pytest.raises(ValueError, match="valid: none, zero, shuffle"):

@@ -53,8 +53,11 @@ def anchor_block_plan(document_ids_T, anchors_N, block_size: int, sliding_window
     """Plan for DFlash-family attention: queries = N blocks of B, keys = [context T ; blocks N*B]."""
     if static is not None:
         T, N, bucket = document_ids_T.shape[0], anchors_N.shape[0], static.anchors(anchors_N.shape[0])
-        static.record("anchor_block", bucket * block_size, (T if static.pad else static.tokens) + bucket * block_size,
-                      block_size, sliding_window, causal_in_block)
+        # Recorded: the shapes compiled. Unpadded on CUDA, every pack's own; on CPU, those padding would give.
+        own = not static.pad and document_ids_T.is_cuda
+        Q = (N if own else bucket) * block_size
+        static.record("anchor_block", Q, (T if static.pad or own else static.tokens) + Q, block_size,
+                      sliding_window, causal_in_block)
         static.count_queries(N * block_size, bucket * block_size)
         if static.pad:
             inner = anchor_block_plan(document_ids_T, pad_anchors(anchors_N, bucket), block_size, sliding_window,
@@ -78,7 +81,8 @@ def packed_causal_plan(document_ids_T, sliding_window: int | None = None, impl: 
         if static.pad and T > static.tokens:
             raise ValueError(f"packed causal attention over {T} positions, more than the run's fixed "
                              f"{static.tokens} (trainer.token_budget)")
-        static.record("packed_causal", static.tokens, static.tokens, sliding_window)
+        size = T if not static.pad and document_ids_T.is_cuda else static.tokens  # as anchor_block_plan records
+        static.record("packed_causal", size, size, sliding_window)
         if static.pad and T < static.tokens:
             inner = packed_causal_plan(pad_documents(document_ids_T, static.tokens), sliding_window, impl)
             return PaddedQueries(inner, T, static.tokens)
