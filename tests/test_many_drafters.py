@@ -66,6 +66,10 @@ def test_each_drafter_of_a_shared_run_trains_as_its_solo_run(data, tmp_path):
         assert mine["per_position_acceptance"] == alone["per_position_acceptance"]
     # Once for the run: the prefill (every row once, whatever the drafters), and the baselines beside them.
     assert shared["target_tokens_prefilled"] > 0 and shared["baselines"]["bigram"]["tau"] >= 1
+    # Each drafter beside baselines that draft as many tokens (DFlash's blocks of 4: K 3; EAGLE-3: K 7); the run's
+    # at the largest K.
+    Ks = {name: shared["drafters"][name]["baselines"]["ngram"]["K"] for name in ("dflash", "eagle3")}
+    assert Ks == {"dflash": 3, "eagle3": 7} and shared["baselines"]["ngram"]["K"] == 7
     assert json.loads((tmp_path / "shared" / "metrics.json").read_text())["drafters"].keys() == {"dflash", "eagle3"}
 
 

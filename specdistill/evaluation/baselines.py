@@ -82,9 +82,11 @@ def acceptance(drafter, rows: Iterable[tuple[Sequence[int], Sequence[int]]], K: 
 BIGRAM_ROWS = 20_000
 
 
-def baseline_report(train_rows, walked: list[tuple[Sequence[int], Sequence[int]]], K: int) -> dict:
-    """metrics.json `baselines`: the bigram table (over the first BIGRAM_ROWS training rows) and prompt-lookup
-    n-grams (1-4), walked over `walked` (tokens, loss_mask) rows as the drafters' held-out report walks them."""
+def baseline_reports(train_rows, walked: list[tuple[Sequence[int], Sequence[int]]], Ks: list[int]) -> dict:
+    """metrics.json `baselines` at each of `Ks` (drafters of one run may draft different numbers of tokens: each is
+    compared with baselines that draft as many): the bigram table (counted once, over the first BIGRAM_ROWS training
+    rows) and prompt-lookup n-grams (1-4), walked over `walked` (tokens, loss_mask) rows as the drafters' held-out
+    report walks them."""
     bigram = BigramTable(train_rows[:BIGRAM_ROWS])
-    return {"bigram": acceptance(bigram, walked, K).to_dict(),
-            "ngram": acceptance(PromptLookup(min_n=1, max_n=4), walked, K).to_dict()}
+    return {K: {"bigram": acceptance(bigram, walked, K).to_dict(),
+                "ngram": acceptance(PromptLookup(min_n=1, max_n=4), walked, K).to_dict()} for K in sorted(set(Ks))}

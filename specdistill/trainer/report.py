@@ -78,15 +78,18 @@ def run_metrics(state, *, target, pack_tokens: int, wait_fraction: float, first_
     }
 
 
-def summary_lines(drafters: dict[str, dict], baselines: dict | None) -> list[str]:
-    """The comparison table the run prints last: one line per drafter, then the baselines."""
-    lines = [f"{'':<18}{'tau':>7}{'a_1':>7}{'steps':>7}{'train s':>9}  stopped early"]
+def summary_lines(drafters: dict[str, dict], baselines_by_K: dict) -> list[str]:
+    """The comparison table the run prints last: one line per drafter, then the baselines (at each drafter K,
+    named by K where the drafters' differ)."""
+    lines = [f"{'':<22}{'tau':>7}{'a_1':>7}{'steps':>7}{'train s':>9}  stopped early"]
     for name, m in drafters.items():
         tau, a_1 = m["tau_offline"], (m["per_position_acceptance"] or [None])[0]
         stopped = f"at step {m['stopped_early']['step']}" if m["stopped_early"] else "no"
-        lines.append(f"{name:<18}{_num(tau):>7}{_num(a_1):>7}{m['steps']:>7}{m['training_seconds']:>9.1f}  {stopped}")
-    for name, b in (baselines or {}).items():
-        lines.append(f"{name + ' baseline':<18}{_num(b['tau']):>7}{_num(b['per_position'][0]):>7}")
+        lines.append(f"{name:<22}{_num(tau):>7}{_num(a_1):>7}{m['steps']:>7}{m['training_seconds']:>9.1f}  {stopped}")
+    for K, baselines in sorted(baselines_by_K.items()):
+        for name, b in baselines.items():
+            label = f"{name} baseline" + (f" K={K}" if len(baselines_by_K) > 1 else "")
+            lines.append(f"{label:<22}{_num(b['tau']):>7}{_num(b['per_position'][0]):>7}")
     return lines
 
 

@@ -49,7 +49,7 @@ from specdistill.trainer.report import entry_metrics, run_metrics, summary_lines
 from specdistill.trainer.tracking import Tracker
 from specdistill.trainer.validation import ValidationState, Validator, check_eval_settings, resolve_eval_every, usable_heldout
 from specdistill.evaluation.acceptance import target_tokens
-from specdistill.evaluation.baselines import baseline_report
+from specdistill.evaluation.baselines import baseline_reports
 
 # Probe rows (training rows walked beside the held-out ones) get ids past any file's line count, so one feature
 # server can extract both sets without their row ids colliding in its exactly-once ledger.
@@ -525,7 +525,11 @@ class Trainer:
             per_drafter[entry.name] = entry_metrics(entry, report, selection_tau,
                                                     validator.split if validator else None, selected, export_dir,
                                                     final_loss=float(losses[len(per_drafter)]))
-        baselines = self._baselines()
+        baselines_by_K = self._baselines() or {}
+        for entry in self.entries:  # each drafter beside baselines that draft as many tokens as it does
+            per_drafter[entry.name]["baselines"] = baselines_by_K.get(entry.drafter.num_speculative_tokens)
+        # The run's: at the largest K (the strongest baselines; a drafter above them is above its own K's)
+        baselines = baselines_by_K[max(baselines_by_K)] if baselines_by_K else None
         run = run_metrics(state, target=self.target, pack_tokens=self.pack_tokens,
                           wait_fraction=_wait_fraction(state, self.dist.world_size),
                           first_step_seconds=self.first_step_seconds, engine_loads=self.engine_loads_per_worker,
@@ -541,14 +545,15 @@ class Trainer:
             metrics = {**run, **drafter_part, "baselines": baselines}
         self.run.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
         log.info("train rows skipped: %s", self.train_skips.summary())
-        for line in summary_lines(per_drafter, baselines):
+        for line in summary_lines(per_drafter, baselines_by_K):
             log.info("%s", line)
         self.tracker.finish(metrics)
         return metrics
 
     def _baselines(self) -> dict | None:
         """The bigram and n-gram baselines on the rows the drafters' reports walked, judged against the target's own
-        greedy tokens, as the drafters are (specdistill/evaluation/acceptance.py target_tokens)."""
+        greedy tokens, as the drafters are (specdistill/evaluation/acceptance.py target_tokens), for each number of
+        draft tokens K a drafter of the run has: {K: {"bigram": ..., "ngram": ...}}."""
         validator = self.entries[0].validator
         if validator is None:
             return None
@@ -558,8 +563,7 @@ class Trainer:
             idx = [i for i, m in enumerate(mask) if m]
             batch = pack([s], self.spec.layer_ids).to(self.dist.device, torch.float32)
             walked.append((target_tokens(batch, self.head, L, idx[0], idx[-1] + 1), mask))
-        K = self.entries[0].drafter.num_speculative_tokens
-        return baseline_report(self.rows, walked, K)
+        return baseline_reports(self.rows, walked, [e.drafter.num_speculative_tokens for e in self.entries])
 
     def _summed_over_ranks(self, state: TrainState) -> TrainState:
         """Counters as the whole job's (every rank trains its own shard); the loss as the mean over ranks."""
