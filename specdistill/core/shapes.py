@@ -5,7 +5,7 @@ the tensors its mask captures: every new pack length or anchor count would compi
 recompile limit the call runs uncompiled, materialising [heads, queries, keys] scores. So on CUDA a run lays every
 pack out over `trainer.token_budget` tokens (the rest a padding document no row maps to, without loss) and the
 attention plans pad their query blocks to a bucket of anchor counts; the drafters' outputs and losses are those of
-the unpadded pack (tests/core/test_shapes.py, tests/drafters/test_static_shapes.py).
+the unpadded pack (tests/drafters/test_static_shapes.py, tests/kernels/test_attention.py).
 
 A StaticShapes object goes with each pack (`PackedBatch.static`): the attention plans read the bucket sizes from it
 and record every shape they give a compiled path, so a run can report how many it compiled (`compiled_shapes` in
@@ -14,6 +14,8 @@ ones padding would give.
 """
 
 from dataclasses import dataclass, field
+
+import torch
 
 # Anchor-count buckets: 16 x {1, 1.5} x 2^k. A bucket wastes under a third of its query blocks on average (at most
 # half), and a count up to 1,024 (drafters' max_anchors) falls in one of 13 buckets; a pack of the mission's ~270
@@ -47,7 +49,8 @@ class StaticShapes:
         return anchor_bucket(n)
 
     def record(self, *key) -> None:
-        self.seen.add(tuple(key))
+        # A shape is compiled once for training and once more for the held-out walks (no autograd there).
+        self.seen.add((*key, torch.is_grad_enabled()))
 
     def count_queries(self, real: int, padded: int) -> None:
         self.real_queries += real

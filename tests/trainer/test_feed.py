@@ -154,7 +154,7 @@ def test_rows_of_varying_length_give_only_the_planned_shapes_when_padded():
         assert not p.loss_mask_T[p.document_ids_T == pad_doc].any() and int(pad_doc) == len(p.row_ids)
         anchors = torch.nonzero(p.loss_mask_T).squeeze(-1)[:max_anchors]
         anchor_block_plan(p.document_ids_T, anchors, B, None, False, impl="chunked", static=static)
-    planned = {("anchor_block", b * B, budget + b * B, B, None, False)
+    planned = {("anchor_block", b * B, budget + b * B, B, None, False, True)  # True: with autograd (training)
                for b in {anchor_bucket(n) for n in range(max_anchors + 1)}}
     assert static.seen <= planned and 1 <= static.count < len(packs)
 
