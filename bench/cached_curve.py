@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             optimizers.set_step(step)
             out = drafter(batch, head, generator)
             out.loss.backward()
-            optimizers.clip_step_and_zero(drafter.parameters(), cfg.grad_clip)
+            if not optimizers.clip_step_and_zero(drafter.parameters(), cfg.grad_clip):
+                raise FloatingPointError(f"step {step + 1}: non-finite gradients (loss {float(out.loss):.4g}); "
+                                         "the curve stops here rather than count a step not taken")
             seconds += time.perf_counter() - started
             window.add(out)
             step += 1

@@ -164,7 +164,8 @@ def make_step(drafter, head, device, bf16: bool, static: StaticShapes):
         with autocast:
             out = drafter(micro, head, generator)
         out.loss.backward()
-        optimizers.clip_step_and_zero(drafter.parameters(), cfg.grad_clip)
+        if not optimizers.clip_step_and_zero(drafter.parameters(), cfg.grad_clip):
+            raise FloatingPointError("non-finite gradients: a step not taken would be timed as one")
         return out
 
     return step
@@ -287,7 +288,7 @@ def bench_fed(drafter, step, static: StaticShapes, args, device, target_dir: Pat
     return {"fed_step_ms": fed_s * 1e3, "fed_tokens_per_s": sum(real) / sum(times),
             "fed_model_tflops": sum(flops) / sum(times) / 1e12,
             "fed_wait_fraction": sum(waits) / sum(times), "fed_pack_fill": sum(real) / (len(real) * args.pack),
-            "pinned_pool_mib": copier.pool.bytes / 2**20 if copier else 0.0, "max_open_packs": feed.max_open_packs}
+            "pinned_pool_mib": copier.pool.peak_bytes / 2**20 if copier else 0.0, "max_open_packs": feed.max_open_packs}
 
 
 def main():

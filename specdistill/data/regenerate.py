@@ -236,8 +236,11 @@ def call_openings(chat: ChatFormat, before: list[dict], tools: list | None) -> l
         probe = {"role": "assistant", "content": None,
                  "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {}}}]}
         text = tool_call_text(chat, before, chat.normalise([probe])[0], tools)
-        if text and name in text:
-            out.append(text[:text.index(name) + len(name) + 1])  # with what closes the name: "search", not "searching"
+        # The name's last place standing alone: a name like "a" or "tool" also occurs inside the template's own
+        # text before it ('{"name": "a"', '<tool_call>'); the call's name comes after that.
+        places = list(re.finditer(rf"(?<!\w){re.escape(name)}(?!\w)", text or ""))
+        if places:
+            out.append(text[:places[-1].end() + 1])  # with what closes the name: "search", not "searching"
     return out
 
 

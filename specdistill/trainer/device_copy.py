@@ -9,8 +9,8 @@ float32)` of a pageable bf16 pack instead converts on the host (a second, twice 
 through pinned memory (a third copy), on the thread that launches the step (docs/scaling.md, "Host copies").
 
 The pool holds a buffer per pack being assembled plus the ones whose copy has not finished: it grows to what the
-feed needs at once and then reuses (`PinnedBuffers.allocated`: buffers made, `.bytes`: held now; docs/scaling.md
-counts it).
+feed needs at once and then reuses (`PinnedBuffers.allocated`: buffers made, `.bytes`: held now, `.peak_bytes`;
+docs/scaling.md counts it).
 """
 
 import threading
@@ -35,7 +35,8 @@ class PinnedBuffers:
         self._lent: dict[int, tuple[tuple, dict]] = {}  # hidden buffer's address -> (shape key, buffers)
         self._lock = threading.Lock()
         self.allocated = 0
-        self.bytes = 0
+        self.bytes = 0  # held now
+        self.peak_bytes = 0  # the most held at once (metrics.json pinned_pool_mib)
 
     def __call__(self, tokens: int, layers: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         key = (tokens, layers, hidden, dtype)
@@ -51,13 +52,17 @@ class PinnedBuffers:
         return buffers
 
     def _new(self, key: tuple) -> dict[str, torch.Tensor]:
-        tokens, layers, hidden, dtype = key
-        buffers = {"input_ids_T": torch.empty(tokens, dtype=torch.int64, pin_memory=True),
-                   "loss_mask_T": torch.empty(tokens, dtype=torch.bool, pin_memory=True),
-                   "hidden_TLD": torch.empty(tokens, layers, hidden, dtype=dtype, pin_memory=True)}
+        buffers = self._allocate(*key)
         self.allocated += 1
         self.bytes += sum(t.numel() * t.element_size() for t in buffers.values())
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
         return buffers
+
+    @staticmethod
+    def _allocate(tokens: int, layers: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {"input_ids_T": torch.empty(tokens, dtype=torch.int64, pin_memory=True),
+                "loss_mask_T": torch.empty(tokens, dtype=torch.bool, pin_memory=True),
+                "hidden_TLD": torch.empty(tokens, layers, hidden, dtype=dtype, pin_memory=True)}
 
     def release(self, batch: PackedBatch, copied: torch.cuda.Event) -> None:
         """The pack's buffers go back to the pool; they are handed out again once `copied` has completed."""
@@ -112,13 +117,13 @@ def on_device(item: "PackedBatch | StagedPack", device: torch.device, dtype: tor
 
 class StepPacks:
     """A step's packs as every drafter of the run reads them, `steps` micro-batches long (past `items`, the caller
-    repeats the last at weight 0). One pack, the usual step, is cast to fp32 once and shared; several are cast
-    each time one is read, so the step holds one fp32 copy at a time beside the packs as they came (on the device
-    in bf16 from the copier, or on the host)."""
+    repeats the last at weight 0), each real pack's loss weighted by `weight`. One pack, the usual step, is cast to
+    fp32 once and shared; several are cast each time one is read, so the step holds one fp32 copy at a time beside
+    the packs as they came (on the device in bf16 from the copier, or on the host)."""
 
-    def __init__(self, micro: list, device: torch.device, steps: int):
+    def __init__(self, micro: list, device: torch.device, steps: int, weight: float):
         self.items = [item.ready() if isinstance(item, StagedPack) else item for item in micro]
-        self.device, self.steps = device, steps
+        self.device, self.steps, self.weight = device, steps, weight
         self._one = self._cast(self.items[0]) if len(self.items) == 1 else None
 
     def _cast(self, batch: PackedBatch) -> PackedBatch:

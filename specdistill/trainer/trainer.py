@@ -273,7 +273,7 @@ class Trainer:
         (host packs, or packs already being copied to the device: trainer/device_copy.py), read-only."""
         started = time.perf_counter()
         micro = [micro] if isinstance(micro, PackedBatch) else micro
-        packs = StepPacks(micro, self.dist.device, self._micro_batches(len(micro)))
+        packs = StepPacks(micro, self.dist.device, *self._micro_batches(len(micro)))
         for entry in self._active():
             entry_started = time.perf_counter()
             self._step_entry(entry, packs, state)
@@ -288,15 +288,17 @@ class Trainer:
         state.train_seconds += time.perf_counter() - started
         state.last_loss = self._active()[0].last_loss
 
-    def _micro_batches(self, mine: int) -> int:
-        """How many micro-batches every rank runs this step: the most any rank has. A rank's last group of an
-        epoch may be shorter than another's, and each micro-batch makes collectives (FSDP's gathers, the loss
-        agreement), so every rank must make as many."""
+    def _micro_batches(self, mine: int) -> tuple[int, float]:
+        """(micro-batches every rank runs this step, the weight of a pack's loss). Every rank runs as many as the
+        rank with most: a rank's last group of an epoch may be shorter than another's, and each micro-batch makes
+        collectives (FSDP's gathers, the loss agreement). Each pack weighs 1 / (the step's packs over all ranks),
+        times the ranks, which DDP/FSDP average over: every pack counts the same, however they are spread."""
         if not self.dist.enabled or self.cfg.grad_accum == 1:
-            return mine
-        t = torch.tensor([mine], device=self.dist.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t.item())
+            return mine, 1 / mine
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.dist.device) for _ in range(self.dist.world_size)]
+        torch.distributed.all_gather(counts, torch.tensor([mine], device=self.dist.device))
+        counts = [int(c.item()) for c in counts]
+        return max(counts), self.dist.world_size / sum(counts)
 
     def _step_entry(self, entry: Entry, packs: "StepPacks", state: TrainState) -> None:
         """One drafter's optimizer step: the mean of its losses over the packs, so 1 rank x N packs and N ranks x 1
@@ -316,11 +318,12 @@ class Trainer:
                 if not distributed.all_ranks(bool(torch.isfinite(out.loss)), self.dist):
                     self._stop_entry(entry, batch, state, out.loss)
                     return
-                (out.loss * (1 / len(packs.items) if real else 0.0)).backward()
+                (out.loss * (packs.weight if real else 0.0)).backward()
             if real:
                 losses.append(float(out.loss.detach()))
                 for metrics in (entry.window, entry.totals, entry.since_validation):
                     metrics.add(out)
+            del batch, out  # the next micro-batch's fp32 cast is then the only one
         if not entry.optimizers.clip_step_and_zero(entry.drafter.parameters(), entry.cfg.grad_clip,
                                                    agree=lambda finite: distributed.all_ranks(finite, self.dist)):
             self._stop_entry(entry, None, state, torch.tensor(sum(losses) / len(losses)))
@@ -535,7 +538,7 @@ class Trainer:
                           first_step_seconds=self.first_step_seconds, engine_loads=self.engine_loads_per_worker,
                           eval_seconds=time.perf_counter() - eval_started, train_skips=self.train_skips,
                           heldout_skips=self.heldout_skips, pad_packs=self.pad_packs,
-                          pinned_pool_bytes=self.copier.pool.bytes if self.copier else 0,
+                          pinned_pool_bytes=self.copier.pool.peak_bytes if self.copier else 0,
                           max_open_packs=self.feed.max_open_packs)
         if self.several:
             metrics = {**run, "drafters": per_drafter, "baselines": baselines}

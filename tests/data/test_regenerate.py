@@ -176,6 +176,15 @@ def test_a_tool_call_where_none_was_recorded_ends_the_conversation_when_a_turn_f
     assert not unrecorded_call(chat, before, calling, None)  # no tools offered: no call to find
     other = chat.encode(text.replace('"search"', '"searching"')) + eot  # not a tool of the row
     assert not unrecorded_call(chat, before, other, TOOLS)
+    # Tools named like the template's own text ('{"name": ...', '<tool_call>'): only a call to them is one.
+    for name in ("a", "tool", "name"):
+        tools = [{"type": "function", "function": {**TOOLS[0]["function"], "name": name}}]
+        probe = {"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": {"name": name, "arguments": {"query": "x"}}}]}
+        called = chat.encode(tool_call_text(chat, before, chat.normalise([probe])[0], tools)) + eot
+        json_answer = chat.encode('Here: {"name": "Bob", "tool": "drill"}') + eot
+        assert unrecorded_call(chat, before, called, tools), name
+        assert not unrecorded_call(chat, before, json_answer, tools), name
 
     def answered(*responses):
         d = dialogue(0, row, Where(tmp_path / "in.jsonl", 0), chat, "all")

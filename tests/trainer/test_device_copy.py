@@ -66,14 +66,11 @@ def test_the_pool_keeps_a_few_buffers_of_unpadded_lengths_not_one_per_pack():
             Done.synchronized += 1
 
     class Ordinary(PinnedBuffers):  # pageable memory: no CUDA here
-        def _new(self, key):
-            tokens, layers, hidden, dtype = key
-            buffers = {"input_ids_T": torch.empty(tokens, dtype=torch.int64),
-                       "loss_mask_T": torch.empty(tokens, dtype=torch.bool),
-                       "hidden_TLD": torch.empty(tokens, layers, hidden, dtype=dtype)}
-            self.allocated += 1
-            self.bytes += sum(t.numel() * t.element_size() for t in buffers.values())
-            return buffers
+        @staticmethod
+        def _allocate(tokens, layers, hidden, dtype):
+            return {"input_ids_T": torch.empty(tokens, dtype=torch.int64),
+                    "loss_mask_T": torch.empty(tokens, dtype=torch.bool),
+                    "hidden_TLD": torch.empty(tokens, layers, hidden, dtype=dtype)}
 
     pool = Ordinary()
     for tokens in [100 + i for i in range(30)] + [100, 100]:  # 30 lengths, then one seen before
@@ -82,4 +79,7 @@ def test_the_pool_keeps_a_few_buffers_of_unpadded_lengths_not_one_per_pack():
     assert pool.allocated == 31 and len(pool._free) == PinnedBuffers.MAX_FREE  # the last 100 reused the one before
     held = sum(t.numel() * t.element_size() for _, buffers, _ in pool._free for t in buffers.values())
     assert pool.bytes == held  # what the pool holds now, not all it ever made
+    # The most held at once: 4 waiting (lengths 125-128) and the one lent (129), 41 bytes a token (ids 8, mask 1,
+    # states 2 layers x 8 x bf16).
+    assert pool.peak_bytes == 41 * sum(range(125, 130))
     assert Done.synchronized >= 30 - PinnedBuffers.MAX_FREE  # every freed buffer's copy waited for

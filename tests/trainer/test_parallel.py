@@ -147,3 +147,29 @@ def _close(got, want, name):
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="trainer.parallel='zero3'; valid: ddp, fsdp"):
         parallel.check_mode("zero3")
+
+
+def _micro_batches_rank(rank: int, init_file: str, out: dict):
+    from types import SimpleNamespace
+
+    from specdistill.trainer.trainer import Trainer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"))
+    try:
+        trainer = SimpleNamespace(dist=ctx, cfg=TrainerConfig(grad_accum=2))
+        out[rank] = Trainer._micro_batches(trainer, [2, 1][rank])  # an epoch's last step: 2 packs here, 1 there
+    finally:
+        distributed.close(ctx)
+
+
+def test_an_epochs_last_step_runs_as_many_micro_batches_on_every_rank_and_weighs_every_pack_alike(tmp_path,
+                                                                                                  monkeypatch):
+    """Rank 1 repeats its pack at weight 0 so both run 2 micro-batches; each real pack's loss weighs 2/3, which
+    DDP/FSDP's mean over the 2 ranks makes 1/3: the mean over the step's 3 packs, as one process would take."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        mp.spawn(_micro_batches_rank, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+        out = dict(out)
+    assert out == {0: (2, 2 / 3), 1: (2, 2 / 3)}

@@ -58,7 +58,7 @@ def anchor_block_plan(document_ids_T, anchors_N, block_size: int, sliding_window
         Q = (N if own else bucket) * block_size
         static.record("anchor_block", Q, (T if static.pad or own else static.tokens) + Q, block_size,
                       sliding_window, causal_in_block)
-        static.count_queries(N * block_size, bucket * block_size)
+        static.count_queries(N * block_size, Q)
         if static.pad:
             inner = anchor_block_plan(document_ids_T, pad_anchors(anchors_N, bucket), block_size, sliding_window,
                                       causal_in_block, impl)
