@@ -14,6 +14,7 @@ from specdistill.data.formats import DatasetError, load_rows
 from specdistill.data.generate import GenerationSettings, respond
 from specdistill.launch.regenerate import parse, run
 from tests.data.chat_families import END_OF_TURN, STOP, build_tokenizer, tiny_target
+from tests.files import write_jsonl
 
 FAMILIES = ("qwen3", "llama3", "gemma", "llama2", "gpt-oss")
 SYSTEM = {"role": "system", "content": "Return JSON for the shop's search API."}
@@ -38,11 +39,6 @@ def conversations(family: str) -> list[list[dict]]:
     if family != "gemma":  # Gemma's template has no system role
         convs[1].insert(0, SYSTEM)
     return convs
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from specdistill.data.formats import load_rows
 from specdistill.data.regenerate import reply_message, tool_call_text
 from specdistill.launch.regenerate import parse, run
 from tests.data.chat_families import build_tokenizer, tiny_target
+from tests.files import write_jsonl
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the catalogue",
                                            "parameters": {"type": "object", "properties": {
@@ -50,11 +51,6 @@ SERVED = [{"messages": [user("find red trail shoes"), assistant('{"query": "red 
           RECORDED[2]]  # the same call: the conversation goes on
 
 
-def write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     root = tmp_path_factory.mktemp("regen")
@@ -64,7 +60,7 @@ def target(tmp_path_factory):
     texts = [draft.render(draft.normalise(r["messages"]), r.get("tools"), False) for r in RECORDED + SERVED]
     tok_dir = build_tokenizer("llama3", root / "target", texts, vocab_size=1000)
     chat = ChatFormat.load(tok_dir)
-    rows, _ = load_rows(write(root / "served.jsonl", SERVED), chat, 10**6)
+    rows, _ = load_rows(write_jsonl(root / "served.jsonl", SERVED), chat, 10**6)
     target = tiny_target(tok_dir, [(list(r.input_ids), r.loss_mask.index(1)) for r in rows], steps=800)
     return target, rows
 
@@ -80,7 +76,7 @@ def read(out):
 
 def test_turns_are_regenerated_in_order_after_the_history_as_the_target_answered(target, tmp_path):
     target_dir, served = target
-    src = write(tmp_path / "recorded.jsonl", RECORDED)
+    src = write_jsonl(tmp_path / "recorded.jsonl", RECORDED)
     out = tmp_path / "out.jsonl"
     summary = regen(target_dir, src, out)
     rows = read(out)
@@ -110,7 +106,7 @@ def test_turns_are_regenerated_in_order_after_the_history_as_the_target_answered
     # A resume from another input, target or settings is refused, saying which.
     with pytest.raises(ValueError, match=r"out.jsonl: written from other settings: max_new_tokens=40 there, 8 now"):
         run(parse([f"target.path={target_dir}", f"input={src}", f"output={out}", "backend=hf", "max_new_tokens=8"]))
-    other = write(tmp_path / "other.jsonl", RECORDED[:2])
+    other = write_jsonl(tmp_path / "other.jsonl", RECORDED[:2])
     with pytest.raises(ValueError, match=r"written from another input: it was written from .*recorded.jsonl"):
         regen(target_dir, other, out)
     moved = tmp_path / "other-target"
@@ -126,7 +122,7 @@ def test_turns_are_regenerated_in_order_after_the_history_as_the_target_answered
 
 def test_shards_regenerate_one_file_and_merge_in_input_order(target, tmp_path):
     target_dir, _ = target
-    src = write(tmp_path / "recorded.jsonl", RECORDED * 2)
+    src = write_jsonl(tmp_path / "recorded.jsonl", RECORDED * 2)
     whole = tmp_path / "whole.jsonl"
     regen(target_dir, src, whole)
     out = tmp_path / "train.jsonl"

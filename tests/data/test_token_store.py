@@ -12,6 +12,7 @@ import specdistill.data.token_store as token_store
 from specdistill.data.formats import DatasetError, load_rows
 from specdistill.data.token_store import open_store
 from specdistill.launch.tokenizer import as_hf, save_tokenizer, workload_tokenizer
+from tests.files import write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +32,6 @@ def chat(i: int) -> dict:
                          {"role": "user", "content": f"black trail shoes size {i} " * (1 + i % 9)},
                          {"role": "assistant", "content": json.dumps({"size": i, "sort": "price_asc"})}],
             "stage": ("search_queries", "filter_selection")[i % 2]}
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((json.dumps(r) if r is not None else "") + "\n" for r in rows))
-    return path
 
 
 def same_rows(a, b) -> bool:

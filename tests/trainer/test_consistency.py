@@ -18,6 +18,7 @@ from specdistill.trainer.consistency import (check_same_dataset, dataset_fingerp
                                              prepared_state_hashes)
 from specdistill.trainer.distributed import DistContext
 from tests.cli import REPO
+from tests.files import write_jsonl
 
 
 def rows(changed: bool = False) -> list[dict]:
@@ -26,12 +27,6 @@ def rows(changed: bool = False) -> list[dict]:
     if changed:
         out[5]["messages"][1]["content"] = json.dumps({"size": 50})  # one answer edited on one node
     return out
-
-
-def write(path, data):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in data))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +42,11 @@ def fingerprint(path, tok_dir, cache, **kw):
 
 
 def test_fingerprints_agree_on_copies_and_name_the_first_field_that_differs(tmp_path, tok_dir):
-    a = fingerprint(write(tmp_path / "a" / "train.jsonl", rows()), tok_dir, tmp_path / "a" / "cache")
-    b = fingerprint(write(tmp_path / "b" / "train.jsonl", rows()), tok_dir, tmp_path / "b" / "cache", rank=1)
+    a = fingerprint(write_jsonl(tmp_path / "a" / "train.jsonl", rows()), tok_dir, tmp_path / "a" / "cache")
+    b = fingerprint(write_jsonl(tmp_path / "b" / "train.jsonl", rows()), tok_dir, tmp_path / "b" / "cache", rank=1)
     assert first_difference([a, b]) is None  # other paths, other caches, same bytes: the same dataset
     assert check_same_dataset(a, DistContext(0, 1, 0, torch.device("cpu"))) == [a]  # no process group: one rank
-    c = fingerprint(write(tmp_path / "c" / "train.jsonl", rows(changed=True)), tok_dir, tmp_path / "c" / "cache",
+    c = fingerprint(write_jsonl(tmp_path / "c" / "train.jsonl", rows(changed=True)), tok_dir, tmp_path / "c" / "cache",
                     rank=1, drafter_state=[("d2t", "0f")])
     error = first_difference([a, c])
     assert error.startswith("dataset check before the first step: node 1 (rank 1, host ") and \
@@ -103,8 +98,8 @@ def test_two_nodes_with_a_changed_file_stop_naming_the_node_and_the_field(tmp_pa
     procs = []
     for node in (0, 1):
         root = tmp_path / f"node{node}"  # its own data copy and cache, as on a node without a shared cache
-        same = write(root / "same.jsonl", rows())
-        changed = write(root / "train.jsonl", rows(changed=node == 1))
+        same = write_jsonl(root / "same.jsonl", rows())
+        changed = write_jsonl(root / "train.jsonl", rows(changed=node == 1))
         env = {**os.environ, "RANK": str(node), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
