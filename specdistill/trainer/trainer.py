@@ -295,9 +295,7 @@ class Trainer:
         times the ranks, which DDP/FSDP average over: every pack counts the same, however they are spread."""
         if not self.dist.enabled or self.cfg.grad_accum == 1:
             return mine, 1 / mine
-        counts = [torch.zeros(1, dtype=torch.int64, device=self.dist.device) for _ in range(self.dist.world_size)]
-        torch.distributed.all_gather(counts, torch.tensor([mine], device=self.dist.device))
-        counts = [int(c.item()) for c in counts]
+        counts = distributed.gather_objects(mine, self.dist)
         return max(counts), self.dist.world_size / sum(counts)
 
     def _step_entry(self, entry: Entry, packs: "StepPacks", state: TrainState) -> None:
