@@ -29,10 +29,17 @@ class StepOutput:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+# trainer.compute: "read" computes only what a loss, a metric or a served draft reads (e.g. EAGLE-3's last layer at
+# chain anchors only, DFlash's fc and K/V only where a window reaches); "all" computes every position of the pack,
+# the reference the exactness tests compare "read" with. Both give the same losses, metrics and gradients.
+COMPUTE_MODES = ("read", "all")
+
+
 class Drafter(nn.Module, ABC):
     """A trainable draft head. Weights of the target (embeddings, lm_head) live in TargetHead, not here."""
 
     name: str  # registry key, what users type: drafter=NAME
+    compute: str = "read"  # COMPUTE_MODES; the trainer sets it from trainer.compute
 
     @classmethod
     @abstractmethod

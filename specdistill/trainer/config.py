@@ -43,4 +43,7 @@ class TrainerConfig:
     # Packs laid out over token_budget and attention query blocks padded to buckets, so compiled attention sees a few
     # fixed shapes (specdistill/core/shapes.py); None: on CUDA only (CPU runs nothing compiled), True: on CPU too.
     pad_packs: bool | None = None
+    # read: drafters compute only the positions a loss, metric or served draft reads | all: every position of the
+    # pack (the reference; equal losses and gradients, tests/drafters/test_compute_read.py). specdistill/drafters/base.py
+    compute: str = "read"
     progress: bool = True

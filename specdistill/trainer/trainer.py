@@ -31,6 +31,7 @@ from specdistill.data.config import DataConfig
 from specdistill.data.formats import check_tokenizer_matches
 from specdistill.data.selection import check_skipped, load_selected
 from specdistill.drafters import build_drafter
+from specdistill.drafters.base import COMPUTE_MODES
 from specdistill.feature_server.config import FeatureServerConfig
 from specdistill.feature_server.ledger import shard_rows
 from specdistill.feature_server.server import FeatureServer
@@ -78,6 +79,8 @@ class Trainer:
                              "start them with `specdistill-train` (it starts the ranks itself), or pass "
                              f"trainer.ranks=<torchrun --nproc-per-node>")
         parallel.check_mode(trainer_cfg.parallel)
+        if trainer_cfg.compute not in COMPUTE_MODES:
+            raise ValueError(f"trainer.compute={trainer_cfg.compute!r}; valid: {', '.join(COMPUTE_MODES)}")
         self.dist = distributed.init_distributed(trainer_cfg.device, trainer_cfg.collective_timeout_s)
         threads = cpu_threads(trainer_cfg.threads, self.dist.device.type, trainer_cfg.ranks)
         if threads is not None:
@@ -591,6 +594,7 @@ class Trainer:
         """A freshly initialised drafter (or one started from drafter.init_from), prepared on the training rows
         (EAGLE-3 picks its draft vocab, unless the export brings its own), on the device."""
         drafter = build_drafter(drafter_cfg, self.target, self._tokenizer)
+        drafter.compute = self.cfg.compute
         drafter.prepare(self.rows)
         if getattr(drafter_cfg, "init_from", None):  # warm start: the export's weights (drafters/warm_start.py)
             drafter.load_export(Path(drafter_cfg.init_from))
