@@ -2,15 +2,17 @@
 
 Compiled flex attention (specdistill/kernels/attention/flex.py) is specialised to the shapes of its inputs and of
 the tensors its mask captures: every new pack length or anchor count would compile it again, and past torch's
-recompile limit the call runs uncompiled, materialising [heads, queries, keys] scores. So on CUDA a run lays every
+recompile limit the call would run uncompiled, materialising [heads, queries, keys] scores (flex.py stops the run with
+an error there instead). So on CUDA a run lays every
 pack out over `trainer.token_budget` tokens (the rest a padding document no row maps to, without loss) and the
 attention plans pad their query blocks to a bucket of anchor counts; the drafters' outputs and losses are those of
 the unpadded pack (tests/drafters/test_static_shapes.py, tests/kernels/test_attention.py).
 
 A StaticShapes object goes with each pack (`PackedBatch.static`): the attention plans read the bucket sizes from it
-and record every shape they give a compiled path, so a run can report how many it compiled (`compiled_shapes` in
-metrics.json). With `pad=False` (CPU, where nothing is compiled) nothing is padded and the shapes recorded are the
-ones padding would give.
+and record every shape they give a compiled path, so a run can report how many it planned (`compiled_shapes` in
+metrics.json, per drafter; beside it, `compiled_graphs` counts the graphs dynamo really compiled, once for the run).
+With `pad=False` (CPU, where nothing is compiled) nothing is padded and the shapes recorded are the ones padding would
+give.
 """
 
 from dataclasses import dataclass, field

@@ -624,24 +624,28 @@ def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, pack_
 
 
 # Compiled flex attention's shapes per run (trainer.pad_packs): training and held-out walks, anchor buckets, block
-# sizes; torch's default recompile limit (8) is below what a run plans, and past it the call runs uncompiled.
+# sizes; torch's default recompile limit (8) is below what a run plans, and past it the run stops (kernels/attention/
+# flex.py RecompileLimitHit) rather than run flex attention uncompiled.
 COMPILED_SHAPES_LIMIT = 64
 
 
 def _pad_packs(pad_packs: bool | None, device: torch.device, drafters: int) -> bool:
     """Whether packs and attention are padded to the run's fixed shapes (core/shapes.py): on CUDA, or when
-    trainer.pad_packs=true; on CPU otherwise they are only recorded. The drafters share one compiled attention
-    function, so its recompile limit is COMPILED_SHAPES_LIMIT per drafter."""
+    trainer.pad_packs=true; on CPU otherwise they are only recorded. The drafters share each compiled attention
+    function, so its limits (recompile_limit, and accumulated_recompile_limit, torch's cap over all of a function's
+    graphs, 256) become COMPILED_SHAPES_LIMIT per drafter."""
     pad = device.type == "cuda" if pad_packs is None else bool(pad_packs)
     if not pad and device.type == "cuda":
         log.warning("trainer.pad_packs=false on CUDA: every pack length and anchor count compiles flex attention "
-                    "anew, and past torch's recompile limit it runs uncompiled (metrics.json compiled_shapes counts "
-                    "them; docs/scaling.md, \"Compiled shapes\")")
+                    "anew, and past torch's recompile limit the run stops with an error (metrics.json "
+                    "compiled_shapes and compiled_graphs count them; docs/scaling.md, \"Compiled shapes\")")
     if pad and device.type == "cuda":
         import torch._dynamo
 
         limit = COMPILED_SHAPES_LIMIT * drafters
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, limit)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, limit)
     return pad
 
 

@@ -133,6 +133,40 @@ def test_flex_forward_on_cpu_equals_reference():
         torch.testing.assert_close(flex(q, k, v, D_HEAD**-0.5), ref(q, k, v, D_HEAD**-0.5), atol=ATOL, rtol=RTOL)
 
 
+def test_compiled_flex_counts_its_graphs_and_stops_at_the_recompile_limit():
+    """Past torch's recompile limit a compiled call would run uncompiled (flex attention materialising [heads,
+    queries, keys] scores): it stops with an error naming the call and its shape instead, and compiled_graphs()
+    counts the graphs dynamo compiled. With a limit of 1, on CUDA where there is one (Triton), else on the CPU
+    (inductor's C++ path, forward only)."""
+    import torch._dynamo
+
+    from specdistill.kernels.attention.flex import RecompileLimitHit, compiled_graphs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    doc, anchors = (t.to(device) for t in random_case(3, T=130))
+    B, T = 4, doc.numel()
+    Q = anchors.numel() * B
+    q, k, v = (t.detach().to(device) for t in qkv(Q, T + Q)[:3])
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            with torch.no_grad():  # a held-out walk's call
+                plan = FlexPlan(anchor_block_mask_mod(doc, anchors, B, 16), Q, T + Q, doc.device, compile=True)
+                want = anchor_block_plan(doc, anchors, B, 16, impl="reference")(q, k, v, D_HEAD**-0.5)
+                torch.testing.assert_close(plan(q, k, v, D_HEAD**-0.5), want, atol=ATOL, rtol=RTOL)
+                assert compiled_graphs() == {"flex_attention": 1, "create_block_mask": 1}
+                # Another pack length: its block mask would need a second graph.
+                with pytest.raises(RecompileLimitHit, match=rf"create_block_mask \({Q} queries x {T - 2 + Q} keys\)"
+                                                            r".*trainer.pad_packs"):
+                    FlexPlan(anchor_block_mask_mod(doc[:-2], anchors, B, 16), Q, T - 2 + Q, doc.device, compile=True)
+            # With autograd on (a training step's call) flex needs a graph of its own.
+            with pytest.raises(RecompileLimitHit, match=rf"flex_attention \({Q} queries x {T + Q} keys\)"):
+                plan(q, k, v, D_HEAD**-0.5)
+        assert compiled_graphs() == {"flex_attention": 1, "create_block_mask": 1}
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention backward needs a CUDA device")
 @pytest.mark.parametrize("window,causal", [(None, False), (64, True)])
