@@ -10,7 +10,14 @@ through pinned memory (a third copy), on the thread that launches the step (docs
 
 The pool holds a buffer per pack being assembled plus the ones whose copy has not finished: it grows to what the
 feed needs at once and then reuses (`PinnedBuffers.allocated`: buffers made, `.bytes`: held now, `.peak_bytes`;
-docs/scaling.md counts it).
+docs/scaling.md counts it). Those are the pool's requests: torch's caching host allocator, which serves them, pins a
+power of two for each (`pinned_block_bytes`) and keeps a freed block pinned for reuse, so what the process really pins
+is `pinned_host_peak_bytes()` (metrics.json `pinned_host_mib`, beside the pool's `pinned_pool_mib`).
+
+Nothing on the copy path blocks the feed thread on the side stream: a pack's other tensors (its document and position
+ids, built on the host when it completes) are staged through pinned memory too, since a `non_blocking` copy from
+pageable memory first waits for everything queued on the stream (the previous packs' copies); and the copy's event is
+a blocking one, so a wait on it (a buffer's reuse) sleeps instead of spinning a core.
 """
 
 import threading
@@ -19,6 +26,20 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdistill.core.batch import PackedBatch
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """What torch's caching host allocator pins for a request of `nbytes`: the next power of two (its default, unless
+    PYTORCH_ALLOC_CONF's pinned_max_round_threshold_mb stops the rounding above a size). A 32k-token pack's 805 MB of
+    states pins 1 GiB."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def pinned_host_peak_bytes() -> int:
+    """The most host memory torch's caching host allocator held pinned in this process: rounded blocks, in use or
+    kept for reuse (torch sums each block size's peak: exact while no block is freed back to CUDA, which it does
+    only when asked, an upper bound otherwise); 0 where CUDA was never initialised."""
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0))
 
 
 class PinnedBuffers:
@@ -102,11 +123,17 @@ class DeviceCopier:
 
     def stage(self, batch: PackedBatch) -> StagedPack:
         with torch.cuda.stream(self.stream):
-            moved = {name: t.to(self.device, non_blocking=True) for name, t in batch.tensors().items()}
-            copied = torch.cuda.Event()
+            moved = {name: _pinned(t).to(self.device, non_blocking=True) for name, t in batch.tensors().items()}
+            copied = torch.cuda.Event(blocking=True)  # synchronize() sleeps until the copy is done
             copied.record(self.stream)
         self.pool.release(batch, copied)
         return StagedPack(replace(batch, **moved), copied)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """t in page-locked memory: as it is (the pool's buffers), or copied there (a pack's ids, 256 KiB each at 32k
+    tokens; torch's caching host allocator keeps the block until the copy that reads it is done)."""
+    return t if t.is_pinned() else t.pin_memory()
 
 
 def on_device(item: "PackedBatch | StagedPack", device: torch.device, dtype: torch.dtype) -> PackedBatch:

@@ -8,6 +8,9 @@ the bigram and n-gram baselines on the same held-out rows, with the run's extrac
 
 from dataclasses import asdict
 
+from specdistill.kernels.attention.flex import compiled_graphs
+from specdistill.trainer.device_copy import pinned_host_peak_bytes
+
 
 def entry_metrics(entry, report, selection_tau, split, selected: dict, export_dir, final_loss: float) -> dict:
     """One drafter's part of metrics.json. report: its held-out AcceptanceReport (None without held-out rows);
@@ -70,10 +73,16 @@ def run_metrics(state, *, target, pack_tokens: int, wait_fraction: float, first_
         "rows_truncated": train_skips.truncated,
         "skipped_rows": {"train": asdict(train_skips), "heldout": asdict(heldout_skips) if heldout_skips else None},
         # Fixed shapes (core/shapes.py): padding's share of the packs' laid-out tokens (on CPU, what padding would
-        # add), and the host memory of the pinned pack pool (trainer/device_copy.py; 0 on CPU).
+        # add), and the graphs dynamo really compiled for attention, beside each drafter's compiled_shapes (the plans'
+        # own count; kernels/attention/flex.py; all 0 on CPU, where nothing is compiled).
         "pad_packs": pad_packs,
         "pad_fraction": 1 - state.train_tokens / max(1, state.packs * pack_tokens),
+        "compiled_graphs": compiled_graphs(),
+        # Host memory of the pinned pack pool (trainer/device_copy.py; 0 on CPU): what the pool asked for at most,
+        # and what torch's caching host allocator really pinned (each block rounded up to a power of two, freed
+        # ones kept for reuse).
         "pinned_pool_mib": pinned_pool_bytes / 2**20,
+        "pinned_host_mib": pinned_host_peak_bytes() / 2**20,
         "max_open_packs": max_open_packs,
     }
 
