@@ -11,7 +11,8 @@ fusions, the vocabulary head on scored rows, the target's logits and argmax), an
 values: 4 H d FLOPs per query head per (query, key) pair in forward) over the pairs each query attends, as compiled
 flex attention skips masked pairs (a flex tile of 128 x 128 that is partly masked is computed whole; that is not
 counted: the count is the mask's). Not counted: norms, RoPE, softmax, activations, losses, gathers, embedding
-lookups (O(rows x width), not O(rows x width^2)), and the optimizer (`optimizer_flops`, reported beside).
+lookups (O(rows x width), not O(rows x width^2)), and the optimizer (`optimizer_flops`, reported beside; a second
+table splits it over `--ranks` as the trainer does, with its share of a rank's step at each `--grad-accum`).
 
 Backward of a matmul: its dX when its input needs a gradient, its dW when its weight trains (each as much as the
 forward); so 2x forward for a trainable layer inside the network, 1x for a trainable one reading target states (fc)
@@ -36,6 +37,7 @@ Suffixes: T tokens, N anchors, M scored rows, U distinct target positions, D hid
 """
 
 import argparse
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -50,7 +52,8 @@ from specdistill.core.batch import PackedBatch  # noqa: E402
 from specdistill.drafters import DRAFTERS, drafter_config  # noqa: E402
 from specdistill.drafters.eagle3 import TARGET_LOGITS_BUDGET  # noqa: E402
 from specdistill.trainer.config import TrainerConfig  # noqa: E402
-from specdistill.trainer.optim import Optimizers  # noqa: E402
+from specdistill.trainer.optim import (Optimizers, assign_owners, newton_schulz_flops,  # noqa: E402
+                                        shard_rows)
 
 
 @dataclass(frozen=True)
@@ -322,19 +325,39 @@ def step_flops(drafter, counts: PackCounts) -> dict:
     return _FLOPS[drafter.name](drafter, counts)
 
 
+def muon_matrices(drafter, cfg: TrainerConfig | None = None) -> list[tuple[tuple[int, ...], float]]:
+    """(shape, Newton-Schulz FLOPs) of every matrix Muon steps (the trainer's Optimizers split; optim.py's
+    newton_schulz_flops: per matrix of min side m and max side n, ns_steps x (X X^T: 2 m^2 n, A A: 2 m^3, B X:
+    2 m^2 n))."""
+    return [(tuple(p.shape), newton_schulz_flops(p.shape, group["ns_steps"]))
+            for opt in Optimizers(drafter, cfg or TrainerConfig()).optimizers if isinstance(opt, torch.optim.Muon)
+            for group in opt.param_groups for p in group["params"]]
+
+
 def optimizer_flops(drafter, cfg: TrainerConfig | None = None) -> float:
-    """Muon's Newton-Schulz FLOPs per optimizer step (the trainer's Optimizers split; AdamW's elementwise work not
-    counted): per matrix of min side m and max side n, ns_steps x (X X^T: 2 m^2 n, A A: 2 m^3, B X: 2 m^2 n).
-    Paid once per optimizer step whatever the pack (trainer.grad_accum packs share it)."""
-    total = 0.0
-    for opt in Optimizers(drafter, cfg or TrainerConfig()).optimizers:
-        if not isinstance(opt, torch.optim.Muon):
-            continue
-        for group in opt.param_groups:
-            for p in group["params"]:
-                m, n = sorted(p.shape)
-                total += group["ns_steps"] * (4.0 * m * m * n + 2.0 * m**3)
-    return total
+    """Muon's Newton-Schulz FLOPs per optimizer step, all matrices (AdamW's elementwise work not counted). Paid once
+    per optimizer step whatever the pack (trainer.grad_accum packs share it), split over the ranks (`muon_split`)."""
+    return sum(flops for _, flops in muon_matrices(drafter, cfg))
+
+
+def muon_split(matrices: list[tuple[tuple[int, ...], float]], ranks: int) -> dict:
+    """Muon over `ranks` trainer ranks as GatheredMuon splits it (specdistill/trainer/optim.py): the busiest rank's
+    Newton-Schulz FLOPs, and the bytes one rank receives per optimizer step (the most over ranks; bf16, as on CUDA)
+    for DDP split (the owners' broadcasts; unsplit: none), FSDP unsplit (every update all-gathered, fp32) and FSDP
+    split (its rows of each update to the owner, the owner's result rows back)."""
+    shapes, costs = [shape for shape, _ in matrices], [flops for _, flops in matrices]
+    owners = assign_owners(costs, ranks)
+    out = dict(busiest=0.0, ddp_bytes=0, fsdp_unsplit_bytes=0, fsdp_bytes=0)
+    for rank in range(ranks):
+        mine = [o == rank for o in owners]
+        local = [shard_rows(rows, ranks)[rank] * cols for rows, cols in shapes]  # this rank's shard, elements
+        others = [math.prod(shape) - own for shape, own in zip(shapes, local)]  # the other ranks' rows
+        received = {"busiest": sum(c for c, m in zip(costs, mine) if m),
+                    "ddp_bytes": 2 * sum(math.prod(s) for s, m in zip(shapes, mine) if not m),
+                    "fsdp_unsplit_bytes": 4 * sum(others),
+                    "fsdp_bytes": 2 * sum(o if m else own for o, own, m in zip(others, local, mine))}
+        out = {k: max(v, received[k]) for k, v in out.items()}
+    return out
 
 
 # --- production numbers (counts only) ---------------------------------------------------------------------------
@@ -387,11 +410,14 @@ def main():
                          "tokens each (6x45: the mission's; 6x171 and 24x45 fill max_anchors=1024)")
     ap.add_argument("--step-ms", default="", help="measured step times of the mission pack (name=ms,...): MFU")
     ap.add_argument("--peak-tflops", type=float, default=DENSE_BF16_PEAK_TFLOPS["H200"])
+    ap.add_argument("--ranks", default="1,2,8", help="trainer ranks to split Muon's Newton-Schulz over (R,...)")
+    ap.add_argument("--grad-accum", default="1,4", help="trainer.grad_accum values for Muon's share (g,...)")
     args = ap.parse_args()
     step_ms = {k: float(v) for k, v in (item.split("=") for item in args.step_ms.split(",") if item)}
     with tempfile.TemporaryDirectory() as tmp:  # MTP reads config.json when built
         info = production_target(Path(tmp) / "target")
         report(args, info, step_ms)
+        muon_report(args, info)
 
 
 def report(args, info, step_ms: dict):
@@ -413,6 +439,28 @@ def report(args, info, step_ms: dict):
             print(f"| {name} | {rows}x{response} | {c.tokens:,} | {c.anchors:,} | {c.M:,} | {c.targets:,} | "
                   f"{f['model'] / 1e12:.2f} | {f['executed'] / 1e12:.2f} | {f['unused'] / 1e12:.2f} | "
                   f"{opt / 1e12:.2f} | {mfu} | {parts} |")
+
+
+def muon_report(args, info):
+    """Muon split over R ranks: the busiest rank's Newton-Schulz, its share of that rank's matmul FLOPs per optimizer
+    step (g mission packs' executed FLOPs each, plus Muon), and the bytes one rank receives for it."""
+    ranks, accum = ([int(x) for x in arg.split(",")] for arg in (args.ranks, args.grad_accum))
+    print("\nMuon per optimizer step over R trainer ranks (GatheredMuon: each matrix orthogonalised on one rank, "
+          "balanced by FLOPs): the busiest rank's TFLOP; its share of that rank's matmul FLOPs per step, with "
+          "trainer.grad_accum = g mission packs (executed) per rank; MB one rank receives per step for it (bf16 as "
+          "on CUDA; DDP unsplit: none)\n")
+    print(f"| drafter | R | Muon TFLOP, busiest rank | {' | '.join(f'share, g = {g}' for g in accum)} | DDP MB | "
+          "FSDP unsplit MB | FSDP MB |")
+    print("|---" * (6 + len(accum)) + "|")
+    for name in args.drafters.split(","):
+        drafter = meta_drafter(name, info)
+        matrices = muon_matrices(drafter)
+        pack = step_flops(drafter, pack_counts(drafter, mission_rows(6, 45, info)))["executed"]
+        for R in ranks:
+            split = muon_split(matrices, R)
+            shares = " | ".join(f"{split['busiest'] / (g * pack + split['busiest']):.1%}" for g in accum)
+            print(f"| {name} | {R} | {split['busiest'] / 1e12:.2f} | {shares} | {split['ddp_bytes'] / 1e6:,.0f} | "
+                  f"{split['fsdp_unsplit_bytes'] / 1e6:,.0f} | {split['fsdp_bytes'] / 1e6:,.0f} |")
 
 
 if __name__ == "__main__":

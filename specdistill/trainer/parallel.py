@@ -10,6 +10,7 @@ saved under one mode or rank count resumes under another.
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -42,6 +43,12 @@ def wrap(drafter: nn.Module, mode: str, ctx: DistContext) -> nn.Module:
         fully_shard(layer)
     fully_shard(drafter)
     return drafter
+
+
+def optimizer_group(ctx: DistContext) -> dist.ProcessGroup | None:
+    """The ranks Muon splits its Newton-Schulz over (specdistill/trainer/optim.py GatheredMuon): all of them, in
+    either mode; None in a one-process run."""
+    return dist.group.WORLD if ctx.enabled else None
 
 
 def gradient_sync(model: nn.Module, mode: str, ctx: DistContext, sync: bool):

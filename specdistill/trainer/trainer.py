@@ -132,7 +132,7 @@ class Trainer:
         if self.cfg.compile:
             model = torch.compile(model)
         K = drafter.num_speculative_tokens
-        return Entry(spec, drafter, model, Optimizers(drafter, spec.trainer),
+        return Entry(spec, drafter, model, Optimizers(drafter, spec.trainer, parallel.optimizer_group(self.dist)),
                      torch.Generator().manual_seed(self.cfg.seed + self.dist.rank), drafter.input_layer_ids(),
                      StaticShapes(tokens=self.pack_tokens, pad=self.pad_packs), StepMetrics(K), StepMetrics(K),
                      StepMetrics(K))

@@ -109,3 +109,41 @@ def test_gradients_that_are_not_finite_are_dropped_without_a_step():
     model(torch.randn(2, 4)).sum().backward()
     assert optimizers.clip_step_and_zero(model.parameters(), 1.0)
     assert not torch.equal(before["0.weight"], model[0].weight)
+
+
+def test_ranks_share_newton_schulz_by_flops_the_same_way_everywhere():
+    """The DFlash family's Muon matrices at the production geometry (5 layers of q, k, v, o, gate, up, down; fc):
+    the busiest of 2 ranks does 50.8% of the 14.4 TFLOP, of 4 ranks 25.7%; equal costs alternate from rank 0 (the
+    assignment depends on the shapes alone, so every rank derives the same one)."""
+    from specdistill.trainer.optim import assign_owners, newton_schulz_flops
+
+    layer = [(4096, 2048), (512, 2048), (512, 2048), (2048, 4096), (6144, 2048), (6144, 2048), (2048, 6144)]
+    costs = [newton_schulz_flops(shape, 5) for shape in layer * 5 + [(2048, 10240)]]
+    assert sum(costs) == pytest.approx(14.38e12, rel=1e-3)
+    for ranks, busiest in ((2, 0.508), (4, 0.257)):
+        owners = assign_owners(costs, ranks)
+        loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(ranks)]
+        assert max(loads) / sum(costs) == pytest.approx(busiest, abs=1e-3)
+    assert assign_owners([1.0] * 5, 2) == [0, 1, 0, 1, 0]
+
+
+def test_shard_rows_are_fsdps_row_shards():
+    """FSDP2's Shard(0) cuts a matrix's rows as torch.chunk does: ceil(rows / ranks) each, the last shorter or
+    empty (5 rows on 4 ranks: 2, 2, 1, 0)."""
+    from specdistill.trainer.optim import shard_rows
+
+    for rows in range(12):
+        for ranks in range(1, 6):
+            chunks = [len(c) for c in torch.arange(rows).chunk(ranks)] if rows else []
+            assert shard_rows(rows, ranks) == chunks + [0] * (ranks - len(chunks)), (rows, ranks)
+
+
+def test_torchs_newton_schulz_reads_its_input_in_bf16():
+    """Why the split Muon may send updates in bf16 on CUDA (optim.exchange_dtype): torch's iteration casts its input
+    to bf16 before anything else, so an fp32 update and its bf16 cast give the same result bit for bit."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(24, 40, generator=torch.Generator().manual_seed(0))
+    coeffs = (3.4445, -4.7750, 2.0315)
+    assert torch.equal(_zeropower_via_newtonschulz(g, coeffs, 5, 1e-7),
+                       _zeropower_via_newtonschulz(g.bfloat16(), coeffs, 5, 1e-7))

@@ -1,7 +1,8 @@
 """specdistill/trainer/parallel.py and GatheredMuon: FSDP2 on 2 gloo ranks takes the same steps as one unsharded process,
-and its gathered checkpoints resume exactly."""
+and its gathered checkpoints resume exactly; Muon's Newton-Schulz split over the ranks steps as the unsplit one."""
 
 import io
+import itertools
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def _fsdp_rank(rank: int, init_file: str, out: dict):
         torch.manual_seed(0)
         model = parallel.wrap(Stack(), "fsdp", ctx)
         assert type(model.layers[0][0].weight).__name__ == "DTensor"  # sharded, not replicated
-        optimizers = Optimizers(model, CFG)
+        optimizers = Optimizers(model, CFG, parallel.optimizer_group(ctx))  # Newton-Schulz split, as the trainer's
         half = slice(rank * 4, rank * 4 + 4)  # each rank its own half of every batch; FSDP averages
         _train(model, optimizers, _batches(3), half)
         full = parallel.model_state(model)  # gathered on rank 0 only, as rank 0 writes checkpoints
@@ -97,7 +98,7 @@ def _fsdp_rank(rank: int, init_file: str, out: dict):
         # Resume in a fresh sharded model from the gathered states, then one more step on both.
         torch.manual_seed(1)
         fresh = parallel.wrap(Stack(), "fsdp", ctx)
-        fresh_opt = Optimizers(fresh, CFG)
+        fresh_opt = Optimizers(fresh, CFG, parallel.optimizer_group(ctx))
         parallel.load_model_state(fresh, loaded[0])
         parallel.load_optimizer_state(fresh, fresh_opt.optimizers, loaded[1])
         more = _batches(4)[3:]
@@ -138,6 +139,65 @@ def test_fsdp_on_two_ranks_steps_like_one_process_and_resumes_exactly(tmp_path, 
     # The gathered checkpoint resumes bit for bit: model, Muon momentum and AdamW moments all came back.
     assert all(torch.equal(out["resumed_4"][k], out["after_4"][k]) for k in after_4)
     assert "layers.0.0.weight" in out["muon_keys"]  # optimizer state keyed by parameter name
+
+
+def _recording(iteration, shapes: list):
+    def orthogonalise(update, *args):
+        shapes.append(tuple(update.shape))
+        return iteration(update, *args)
+    return orthogonalise
+
+
+def _split_muon_rank(rank: int, init_file: str, out: dict):
+    """Per mode, the same 3 steps with Muon's Newton-Schulz unsplit (every rank orthogonalises every matrix) and split
+    over the 2 ranks; records the weights after each and the shapes each rank orthogonalised. Then both again as on
+    CUDA: torch's bf16 iteration, updates and results exchanged in bf16."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from specdistill.trainer import optim
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    ctx = DistContext(rank, 2, rank, torch.device("cpu"))
+    shapes = []
+    try:
+        for iteration, dtype in ((optim.orthogonalise, torch.float32), (_zeropower_via_newtonschulz, torch.bfloat16)):
+            optim.orthogonalise = _recording(iteration, shapes)
+            optim.exchange_dtype = lambda device, dtype=dtype: dtype
+            for mode in parallel.MODES:
+                for split in (False, True):
+                    torch.manual_seed(0)
+                    shapes.clear()
+                    drafter = Stack()
+                    model = parallel.wrap(drafter, mode, ctx)
+                    optimizers = Optimizers(drafter, CFG, parallel.optimizer_group(ctx) if split else None)
+                    _train(model, optimizers, _batches(3), slice(rank * 4, rank * 4 + 4))
+                    out[dtype, mode, split, rank] = (parallel.model_state(drafter), list(shapes))
+    finally:
+        distributed.close(ctx)
+
+
+@pytest.mark.slow
+def test_split_newton_schulz_gives_the_unsplit_steps_under_ddp_and_fsdp(tmp_path, monkeypatch):
+    """Each rank orthogonalises only its share of the matrices (by FLOPs: embed and out on rank 0, the two layers on
+    rank 1), and the exchanged results step every weight as the unsplit optimizer does. FSDP: the 7-, 5- and
+    3-row matrices shard unevenly (4 + 3, 3 + 2, 2 + 1 rows). The same iterations on the same matrices, so equal to
+    float order (rtol 1e-5): fp32 as on CPU, and as on CUDA (torch's bf16 iteration, bf16 exchanged: torch casts
+    the update to bf16 first, so sending its bf16 cast changes nothing)."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        mp.spawn(_split_muon_rank, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+        out = dict(out)
+    every = sorted([(7, 6), (5, 7), (7, 5), (3, 7)] * 3)  # 4 matrices, 3 steps
+    for dtype, mode in itertools.product((torch.float32, torch.bfloat16), parallel.MODES):
+        case = f"{mode}, {dtype}"
+        assert sorted(out[dtype, mode, False, 0][1]) == sorted(out[dtype, mode, False, 1][1]) == every, case
+        assert sorted(out[dtype, mode, True, 0][1]) == sorted([(7, 6), (3, 7)] * 3), case
+        assert sorted(out[dtype, mode, True, 1][1]) == sorted([(5, 7), (7, 5)] * 3), case
+        unsplit, split = out[dtype, mode, False, 0][0], out[dtype, mode, True, 0][0]  # full weights on rank 0
+        assert unsplit.keys() == split.keys()
+        for name, want in unsplit.items():
+            torch.testing.assert_close(split[name], want, rtol=1e-5, atol=0, msg=lambda m: f"{case} {name}: {m}")
 
 
 def _close(got, want, name):
