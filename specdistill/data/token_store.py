@@ -14,8 +14,10 @@ given key, with the input row and turn it came from recorded beside it:
   turns.npy      [N] int32: the trained assistant message's index in that row's messages (-1: pre-tokenized rows)
   first_loss.npy [N] int32: where the row's response starts (its first loss_mask 1), for truncation
   stages.npy     [N] int16 codes into meta.json "stages" (-1: the row has none)
-  meta.json      the build's report (rows seen, skipped, tokens) and settings; written last, so a directory with it
-                 is complete (a build goes to a temporary directory renamed into place)
+  meta.json      the build's report (rows seen, skipped, tokens), settings and content_sha256 (the tokens, loss
+                 mask and row bounds, hashed once here: one key can build other tokens, e.g. a template that renders
+                 today's date; specdistill/trainer/consistency.py compares it between nodes); written last, so a
+                 directory with it is complete (a build goes to a temporary directory renamed into place)
   counts/        added later, one file per selection of rows: response-token counts (EAGLE-3's draft vocabulary)
 A reader maps the two token files (np.memmap: the page cache is shared by every rank and feature worker of the
 node, and pages come and go with use) and loads the index (24 bytes a row); it never holds rows as Python objects.
@@ -62,7 +64,7 @@ from specdistill.data.formats import (Chunk, DatasetError, SkipReport, Where, ch
 
 log = logging.getLogger(__name__)
 
-STORE_VERSION = 2  # bump when the layout or the parsing changes: old caches are then never read
+STORE_VERSION = 3  # bump when the layout or the parsing changes: old caches are then never read
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "vocab.txt", "tekken.json",
                    "tiktoken.model", "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -168,6 +170,10 @@ class TokenStore:
     @property
     def source(self) -> str:
         return self.meta["source"]
+
+    @property
+    def content_sha256(self) -> str:
+        return self.meta["content_sha256"]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -416,12 +422,22 @@ def _assemble(path: Path, tmp: Path, results: list[dict], seconds: float, procs:
     for r in results:
         report.merge(r["report"])
     meta = {"version": STORE_VERSION, "source": str(path), "settings": settings, "rows": len(lengths),
-            "input_rows": report.lines_seen, "tokens": int(offsets[-1]),
+            "input_rows": report.lines_seen, "tokens": int(offsets[-1]), "content_sha256": _content_sha256(tmp),
             "response_tokens": int(sum(r["response_tokens"] for r in results)), "stages": stage_names,
             "report": asdict(report), "build_seconds": round(seconds, 3), "build_processes": procs,
             "tokens_per_s": round(int(offsets[-1]) / max(seconds, 1e-9))}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     shutil.rmtree(tmp / "parts", ignore_errors=True)
+
+
+def _content_sha256(store_dir: Path) -> str:
+    """sha256 of a store's rows: its row bounds, tokens and loss mask (read once, at the build)."""
+    h = hashlib.sha256(np.load(store_dir / "offsets.npy").tobytes())
+    for name in ("tokens.u32", "loss_mask.u8"):
+        with open(store_dir / name, "rb") as f:
+            while block := f.read(_COPY_BYTES):
+                h.update(block)
+    return h.hexdigest()
 
 
 def _copy(src, dst) -> None:

@@ -1,7 +1,10 @@
-"""Atomic checkpoints in the run directory, so a crash mid-run resumes from the last one.
+"""Atomic, durable checkpoints in the run directory, so a crash mid-run resumes from the last one.
 
-Layout: RUN/checkpoints/step_00000050.pt (specdistill/core/run_dir.py; written to a temp name, then renamed: never
-half-written).
+Layout: RUN/checkpoints/step_00000050.pt (specdistill/core/run_dir.py; written to a temp name, flushed to disk
+(fsync), then renamed and the directory fsynced: a crashed process never leaves a half-written checkpoint, and a
+crashed machine keeps the rename only once the bytes are on disk). Should the newest checkpoint still not load (a
+disk or filesystem that lost it), a resume falls back to the one before it, saying so, every rank agreeing on which
+(load_latest_checkpoint; trainer.keep_checkpoints=1 keeps none to fall back to).
 The state holds every drafter of the run (weights, both optimizers, validation: the curve and the best weights),
 the step, each rank's data position (row ids already trained on in the current epoch), running counters and, per
 drafter, its sampling generator and its own progress (steps, seconds, whether it stopped), so a resumed run
@@ -11,6 +14,7 @@ together.
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -64,11 +68,23 @@ def save_checkpoint(run: RunDir, step: int, ranks: list[dict], drafters: dict[st
     run.checkpoints.mkdir(parents=True, exist_ok=True)
     path, tmp = run.checkpoint(step), run.staging_checkpoint(step)
     payload = {"ranks": ranks, "drafters": drafters, "meta": meta}
-    torch.save(payload, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes on disk before the rename can be
     os.replace(tmp, path)
+    _fsync_dir(run.checkpoints)  # the rename itself
     for old in run.checkpoint_files()[:-keep] + run.staging_files():
         old.unlink()  # older checkpoints, and what a crash in the middle of an earlier save left
     return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -101,10 +117,58 @@ class Checkpoint:
         return state, progress
 
 
+# Drafter config fields that cannot change what is trained (implementations tested equal to the reference): a
+# resume may change them. Any other difference from the checkpoint's record of an entry refuses the resume.
+RESUME_FREE_FIELDS = ("attention_impl", "moe_impl")
+_ABSENT = "<not set>"
+
+
 def load_checkpoint(path: Path, meta: dict) -> Checkpoint:
-    """The checkpoint at `path`, refused when it was written for another setup: other drafters (names, kinds,
-    layer ids) or another target."""
-    payload = read_checkpoint(path)
+    """The checkpoint at `path`, refused when it was written for another setup (check_checkpoint)."""
+    return check_checkpoint(path, read_checkpoint(path), meta)
+
+
+def load_latest_checkpoint(run: RunDir, meta: dict, keep: int,
+                           gather: Callable[[object], list] = lambda x: [x]) -> Checkpoint | None:
+    """The newest checkpoint every rank reads (None: the run has none). One that does not load on some rank (a
+    machine crash can lose a file's bytes) is passed over for the one before it, saying so. `gather` gives every
+    rank's value on every rank (distributed.gather_objects): every rank tries rank 0's list of files, newest first,
+    and takes the first that loads on all of them."""
+    names = gather([p.name for p in run.checkpoint_files()])[0]
+    passed = []
+    for path in reversed([run.checkpoints / name for name in names]):
+        payload, error = _read(path)
+        everyone = gather(error)
+        failed = [(rank, e) for rank, e in enumerate(everyone) if e is not None]
+        if not failed:
+            if passed:
+                log.warning("resuming from %s: the newer %s", path, "; ".join(passed))
+            return check_checkpoint(path, payload, meta)
+        rank, first = failed[0]
+        passed.append(f"{path.name} does not load ({first}{f', on rank {rank}' if len(everyone) > 1 else ''})")
+    if passed:
+        raise RuntimeError(f"{run.checkpoints}: no checkpoint loads: {'; '.join(passed)}. "
+                           f"{_nothing_to_fall_back_to(len(names), keep)}")
+    return None
+
+
+def _read(path: Path) -> tuple[dict | None, str | None]:
+    try:
+        return read_checkpoint(path), None
+    except Exception as e:  # truncated or corrupt: torch.load's errors vary with where the bytes stop
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _nothing_to_fall_back_to(found: int, keep: int) -> str:
+    kept = (f"trainer.keep_checkpoints={keep} keeps no earlier checkpoint to fall back to (keep 2 or more to "
+            "survive a lost one). " if keep == 1 and found == 1 else "")
+    return (f"{kept}Move the checkpoints directory away to train this run from step 0, or use a new "
+            "hydra.run.dir")
+
+
+def check_checkpoint(path: Path, payload: dict, meta: dict) -> Checkpoint:
+    """`payload` (read from `path`), refused when it was written for another setup: other drafters (names, kinds,
+    layer ids, configs: check_entry) or another target."""
     if "ranks" not in payload or "drafters" not in payload:
         raise ValueError(f"{path}: a checkpoint from an older specdistill (no per-drafter entries); start a new "
                          "hydra.run.dir")
@@ -116,9 +180,30 @@ def load_checkpoint(path: Path, meta: dict) -> Checkpoint:
         raise ValueError(f"{path}: checkpoint holds drafters {sorted(saved['drafters'])}, this run trains "
                          f"{sorted(meta['drafters'])}; resume with the same drafters, or use a new hydra.run.dir")
     for name, want in meta["drafters"].items():
-        for key in ("drafter", "target_layer_ids"):
-            if saved["drafters"][name].get(key) != want.get(key):
-                raise ValueError(
-                    f"{path}: drafter {name!r} was written with {key}={saved['drafters'][name].get(key)!r}, this run "
-                    f"has {want.get(key)!r}; use a new hydra.run.dir for a different setup")
+        check_entry(path, name, saved["drafters"][name], want)
     return Checkpoint(path, payload["drafters"], payload["ranks"])
+
+
+def check_entry(path: Path, name: str, saved: dict, want: dict) -> None:
+    """An entry resumes only as what it was written as (entries.py Entry.record): the same kind, layer ids, drafter
+    config (less RESUME_FREE_FIELDS) and own trainer settings. Entries are resumed by name, and drafters=[...] in
+    another order renames them: each would load another's weights, optimizer and curve."""
+    for key in ("drafter", "target_layer_ids"):
+        if saved.get(key) != want.get(key):
+            raise ValueError(f"{path}: drafter {name!r} was written with {key}={saved.get(key)!r}, this run has "
+                             f"{want.get(key)!r}; use a new hydra.run.dir for a different setup")
+    differ = []
+    for section, prefix in (("config", ""), ("trainer", "trainer.")):
+        if section not in saved:  # an older specdistill did not record its entries' own trainer settings
+            continue
+        old, new = saved[section], want.get(section, {})
+        differ += [(prefix + k, old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
+                   if k not in RESUME_FREE_FIELDS and old.get(k, _ABSENT) != new.get(k, _ABSENT)]
+    if differ:
+        field_, old, new = differ[0]
+        also = f" (also {', '.join(d[0] for d in differ[1:])})" if len(differ) > 1 else ""
+        raise ValueError(f"{path}: drafter {name!r} was written with {field_}={old!r}, this run has {field_}="
+                         f"{new!r}{also}. A resume loads each drafter's weights, optimizer and curve by its name, "
+                         "and drafters=[...] in another order renames the entries; resume with the run's own "
+                         f"settings (run_info.json), or use a new hydra.run.dir. Only {', '.join(RESUME_FREE_FIELDS)} "
+                         "may change on a resume")

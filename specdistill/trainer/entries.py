@@ -12,10 +12,14 @@ An entry on the command line is a drafter config name (`dflash`), or a mapping:
 `drafter` is the kind (conf/drafter/NAME.yaml); `name` the entry's name (default: the kind, then kind_2, kind_3 for
 repeats), used for export/<name>/, its metrics and its wandb series; `trainer` a subset of the trainer settings
 (ENTRY_TRAINER_KEYS); every other key is a field of that drafter's config.
+
+A checkpoint records each entry by name (Entry.record): its kind, layer ids, drafter config and its own trainer
+settings; a resume refuses an entry whose record differs (specdistill/trainer/checkpoint.py), so the same entries in
+another order, which renames them, never load each other's weights.
 """
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,11 +38,13 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 @dataclass
 class EntrySpec:
-    """One entry, resolved: its name, its drafter config (a drafters/ config dataclass) and its trainer settings."""
+    """One entry, resolved: its name, its drafter config (a drafters/ config dataclass) and its trainer settings
+    (the run's, with `own_trainer`, what the entry sets for itself, over them)."""
 
     name: str
     drafter: Any
     trainer: TrainerConfig
+    own_trainer: dict = field(default_factory=dict)
 
 
 def resolve_entries(entries: list, drafter_cfg, trainer_cfg: TrainerConfig) -> list[EntrySpec]:
@@ -52,7 +58,7 @@ def resolve_entries(entries: list, drafter_cfg, trainer_cfg: TrainerConfig) -> l
             taken[kind] = taken.get(kind, 0) + 1
             name = kind if taken[kind] == 1 else f"{kind}_{taken[kind]}"
         specs.append(EntrySpec(name, drafter_config(kind, drafter_overrides),
-                               replace(trainer_cfg, **trainer_overrides)))
+                               replace(trainer_cfg, **trainer_overrides), trainer_overrides))
     names = [s.name for s in specs]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
@@ -111,6 +117,12 @@ class Entry:
     @property
     def active(self) -> bool:
         return self.stopped is None
+
+    def record(self) -> dict:
+        """What a checkpoint records of this entry: what evaluation/reload.py builds, and what a resume compares
+        (specdistill/trainer/checkpoint.py check_entry)."""
+        return {"drafter": self.spec.drafter.name, "target_layer_ids": list(self.drafter.feature_spec().layer_ids),
+                "config": asdict(self.spec.drafter), "trainer": dict(self.spec.own_trainer)}
 
     def state(self) -> dict:
         """What a checkpoint keeps of this entry besides weights and optimizers (per rank)."""

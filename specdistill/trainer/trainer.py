@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +38,10 @@ from specdistill.feature_server.server import FeatureServer
 from specdistill.trainer.layout import cpu_threads, cuda_device_count, plan_node
 from specdistill.trainer import distributed, parallel
 from specdistill.trainer.ablation import ablate, ablate_hidden, check_ablation
-from specdistill.trainer.checkpoint import SUMMED_OVER_RANKS, TrainState, load_checkpoint, rank_entry, save_checkpoint
+from specdistill.trainer.checkpoint import (SUMMED_OVER_RANKS, TrainState, load_latest_checkpoint, rank_entry,
+                                           save_checkpoint)
 from specdistill.trainer.config import TrainerConfig
-from specdistill.trainer.consistency import check_same_dataset, dataset_fingerprint, prepared_state_hashes
+from specdistill.trainer.consistency import check_same_start, dataset_fingerprint, prepared_state_hashes, run_settings
 from specdistill.trainer.device_copy import DeviceCopier, StepPacks
 from specdistill.trainer.entries import Entry, EntrySpec, resolve_entries
 from specdistill.trainer.feed import EpochEnd, FeatureFeed
@@ -63,10 +64,37 @@ class Trainer:
     def __init__(self, drafter_cfg, trainer_cfg: TrainerConfig, server_cfg: FeatureServerConfig, run_dir: Path,
                  target_dir: Path, train_path: Path, heldout_path: Path | None, resolved_config: dict | None = None,
                  data_cfg: DataConfig | None = None, cache_dir: Path | None = None, entries: list | None = None):
-        """entries: the run's `drafters=[...]` list (entries.py); None or empty: the one drafter `drafter_cfg`."""
+        """entries: the run's `drafters=[...]` list (entries.py); None or empty: the one `drafter_cfg`."""
         self.launched = psutil.Process().create_time()  # first_step_seconds: this process's launch to its first step
         self.first_step_seconds: float | None = None
         self.cfg, self.server_cfg, self.run = trainer_cfg, server_cfg, RunDir(run_dir)
+        self.dist = distributed.init_distributed(trainer_cfg.device, trainer_cfg.collective_timeout_s)
+        # Before any other collective: every rank started (a rank whose start raised stops all of them with its
+        # error) and loaded the same rows, tokenizer, target, settings, versions and drafter vocabularies
+        # (specdistill/trainer/consistency.py, docs/launching.md "Many nodes, one dataset").
+        try:
+            check_same_start(self.dist, lambda: self._start(drafter_cfg, target_dir, train_path, heldout_path,
+                                                            resolved_config, data_cfg, cache_dir, entries))
+        except Exception:
+            distributed.close(self.dist)  # every rank stops here
+            raise
+        for entry in self.entries:
+            self._wrap(entry)
+        # CUDA: packs assembled in pinned memory and copied ahead of the step on a side stream (device_copy.py)
+        self.copier = DeviceCopier(self.dist.device) if self.dist.device.type == "cuda" else None
+        self.meta = {"model_type": self.target.model_type,  # what a resume checks and evaluation/reload.py builds
+                     "drafters": {e.name: e.record() for e in self.entries}}
+        # Stable per run and rank, so a crashed run's leftover segments are swept when it resumes.
+        run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+        self.shm_prefix = f"specdistill_{run_key}_r{self.dist.rank}"
+        self.tracker = Tracker.from_run_config(resolved_config or {}, run_dir, enabled=self.dist.is_main)
+
+    def _start(self, drafter_cfg, target_dir: Path, train_path: Path, heldout_path: Path | None,
+               resolved_config: dict | None, data_cfg: DataConfig | None, cache_dir: Path | None,
+               entries: list | None) -> dict:
+        """This rank's start, up to its first collective: settings checked, target and data loaded, drafters built
+        and prepared (not wrapped). Returns the fingerprint of what it loaded (consistency.py)."""
+        trainer_cfg, server_cfg = self.cfg, self.server_cfg
         self.layout = plan_node(trainer_cfg.ranks, server_cfg.workers, trainer_cfg.device, server_cfg.device,
                                 cuda_device_count(), server_cfg.share_trainer_device)
         if trainer_cfg.grad_accum < 1:
@@ -81,7 +109,6 @@ class Trainer:
         parallel.check_mode(trainer_cfg.parallel)
         if trainer_cfg.compute not in COMPUTE_MODES:
             raise ValueError(f"trainer.compute={trainer_cfg.compute!r}; valid: {', '.join(COMPUTE_MODES)}")
-        self.dist = distributed.init_distributed(trainer_cfg.device, trainer_cfg.collective_timeout_s)
         threads = cpu_threads(trainer_cfg.threads, self.dist.device.type, trainer_cfg.ranks)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -98,44 +125,36 @@ class Trainer:
         self.pad_packs = _pad_packs(trainer_cfg.pad_packs, self.dist.device, len(specs))
         self.several = bool(entries)  # drafters=[...]: export/<name>/ and per-drafter metrics, even for one entry
         self.entries = [self._build_entry(spec) for spec in specs]
-        # Before the first step: every rank loaded the same rows, tokenizer, library versions and drafter vocabularies
-        # (specdistill/trainer/consistency.py, docs/launching.md "Many nodes, one dataset").
-        check_same_dataset(dataset_fingerprint(
-            target_dir, {"train": (train_path, self.rows), "heldout": (heldout_path, self.heldout_rows)},
-            [(f"{e.name}.{n}", h) for e in self.entries for n, h in prepared_state_hashes(e.drafter)],
-            self.dist.rank), self.dist)
         # The feature server ships the union of the entries' layers once; each drafter takes its own by id.
         layer_ids = sorted(set().union(*(e.drafter.feature_spec().layer_ids for e in self.entries)))
         self.spec = FeatureSpec(tuple(layer_ids), server_cfg.hidden_dtype)
         self.spec.check_against(self.target.num_hidden_layers)
         _check_feature_capacity(server_cfg, self.layout.workers_per_rank, self.pack_tokens, self.spec,
                                 self.target.hidden_size)
-        # CUDA: packs assembled in pinned memory and copied ahead of the step on a side stream (device_copy.py)
-        self.copier = DeviceCopier(self.dist.device) if self.dist.device.type == "cuda" else None
-        self.meta = {"model_type": self.target.model_type,
-                     "drafters": {e.name: {"drafter": e.spec.drafter.name,
-                                           "target_layer_ids": list(e.drafter.feature_spec().layer_ids),
-                                           "config": asdict(e.spec.drafter)}  # what evaluation/reload.py builds
-                                  for e in self.entries}}
-        # Stable per run and rank, so a crashed run's leftover segments are swept when it resumes.
-        run_key = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
-        self.shm_prefix = f"specdistill_{run_key}_r{self.dist.rank}"
-        self.tracker = Tracker.from_run_config(resolved_config or {}, run_dir, enabled=self.dist.is_main)
+        return dataset_fingerprint(
+            target_dir, {"train": (train_path, self.rows), "heldout": (heldout_path, self.heldout_rows)},
+            [(f"{e.name}.{n}", h) for e in self.entries for n, h in prepared_state_hashes(e.drafter)],
+            self.dist.rank, run_settings(server_cfg.backend, server_cfg.hidden_dtype, resolved_config))
 
     def _build_entry(self, spec: EntrySpec) -> Entry:
         """One drafter as its solo run would start it: the global RNG reseeded with trainer.seed before it is built,
-        its own generator seeded as a solo run's (seed + rank), its own optimizers and schedule."""
+        its own generator seeded as a solo run's (seed + rank). Wrapped, and given its own optimizers and schedule, once
+        the dataset check has passed (_wrap)."""
         torch.manual_seed(self.cfg.seed)
         drafter = self._new_drafter(spec.drafter)
         check_ablation(spec.trainer.feature_ablation, drafter.input_layer_ids(), self.target.num_hidden_layers)
-        model = parallel.wrap(drafter, self.cfg.parallel, self.dist)
-        if self.cfg.compile:
-            model = torch.compile(model)
         K = drafter.num_speculative_tokens
-        return Entry(spec, drafter, model, Optimizers(drafter, spec.trainer, parallel.optimizer_group(self.dist)),
+        return Entry(spec, drafter, drafter, None,
                      torch.Generator().manual_seed(self.cfg.seed + self.dist.rank), drafter.input_layer_ids(),
                      StaticShapes(tokens=self.pack_tokens, pad=self.pad_packs), StepMetrics(K), StepMetrics(K),
                      StepMetrics(K))
+
+    def _wrap(self, entry: Entry) -> None:
+        """What the step calls: the drafter spread over the ranks (collectives: DDP's setup broadcasts rank 0's
+        weights and buffers, FSDP shards them in place), compiled if asked; its optimizers over the result."""
+        model = parallel.wrap(entry.drafter, self.cfg.parallel, self.dist)
+        entry.model = torch.compile(model) if self.cfg.compile else model
+        entry.optimizers = Optimizers(entry.drafter, entry.spec.trainer, parallel.optimizer_group(self.dist))
 
     def _load_data(self, target_dir: Path, train_path: Path, heldout_path: Path | None, data_cfg: DataConfig,
                    cache_dir: Path) -> None:
@@ -385,10 +404,11 @@ class Trainer:
                              shm_prefix=self.shm_prefix)
 
     def _resume(self) -> TrainState:
-        path = self.run.latest_checkpoint()
-        if path is None:
+        ckpt = load_latest_checkpoint(self.run, self.meta, self.cfg.keep_checkpoints,
+                                      lambda obj: distributed.gather_objects(obj, self.dist))
+        if ckpt is None:
             return TrainState()
-        ckpt = load_checkpoint(path, self.meta)
+        path = ckpt.path
         state, entry_states = ckpt.rank_state(self.dist.rank, self.dist.world_size)
         if state.step > self.cfg.max_steps:  # the loop would not run, and the export would be this later step's
             raise ValueError(f"{path}: this run directory already trained to step {state.step}, past "
