@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from specdistill.core.batch import PackedBatch  # noqa: E402
 from specdistill.drafters import DRAFTERS, drafter_config  # noqa: E402
-from specdistill.drafters.eagle3 import TARGET_LOGITS_BUDGET  # noqa: E402
+from specdistill.drafters.targets import TARGET_LOGITS_BUDGET  # noqa: E402
 from specdistill.trainer.config import TrainerConfig  # noqa: E402
 from specdistill.trainer.optim import Optimizers  # noqa: E402
 
