@@ -228,16 +228,16 @@ def _dflash_flops(drafter, c: PackCounts) -> dict:
     D, V, B, L = s.hidden, drafter.target.vocab_size, drafter.block_size, len(drafter.layers)
     T, N, M, U = c.tokens, c.anchors, c.M, c.targets
     Q, kvd, qd = N * B, s.num_kv_heads * s.head_dim, s.num_heads * s.head_dim
-    C = c.context_kept if drafter.compute == "read" else T  # read: only where some window reaches
-    t.linear("fc", C, len(drafter.target_layer_ids) * D, D, input_grad=False)  # reads target states
+    kept = c.context_kept if drafter.compute == "read" else T  # read: only where some window reaches
+    t.linear("fc", kept, len(drafter.target_layer_ids) * D, D, input_grad=False)  # reads target states
     for _ in range(L):
-        t.linear("context_kv", C, D, 2 * kvd)  # every layer projects the context to K/V
+        t.linear("context_kv", kept, D, 2 * kvd)  # every layer projects the context to K/V
         t.linear("block_layers", Q, D, qd + 2 * kvd)
         t.linear("block_layers", Q, qd, D)
         t.linear("block_layers", Q, D, 2 * s.intermediate)
         t.linear("block_layers", Q, s.intermediate, D)
     # Context outside every anchor's window: its fc rows and K/V are computed, read by no query.
-    t.unused += (C - c.context_read) * (4.0 * len(drafter.target_layer_ids) * D * D + L * 6.0 * D * 2 * kvd)
+    t.unused += (kept - c.context_read) * (4.0 * len(drafter.target_layer_ids) * D * D + L * 6.0 * D * 2 * kvd)
     in_block = B * (B + 1) // 2 if cfg.causal_in_block else B * B
     t.attention("attention", L * (B * c.context_keys + N * in_block), s.num_heads, s.head_dim)
     _DFLASH_HEADS[drafter.name](drafter, t, D, V, Q, M, U)

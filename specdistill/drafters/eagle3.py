@@ -292,7 +292,7 @@ class Eagle3Drafter(Drafter):
         return Pairs(t_S, index_T, doc[t_S], batch.position_ids_T[t_S] - 1)
 
     def first_pass(self, batch: PackedBatch, head: TargetHead, pairs: Pairs, chain_S_N: torch.Tensor,
-                   attention: "ChainAttention | None"):
+                   attention: ChainAttention | None):
         """Step 0 (the drafter's KV cache, as vLLM's first pass fills it): the last layer's outputs at the chains
         `chain_S_N` [N, D] and each layer's keys/values at every pair. compute='all' runs every layer at every pair;
         'read' runs the layers below the last at every pair (their outputs feed the last layer's keys), and the last

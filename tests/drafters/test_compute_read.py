@@ -125,7 +125,7 @@ def test_read_equals_all_and_computes_fewer_rows(tiny_llama_dir, case, padded, m
     if eagle:
         pairs = drafter.pairs(batch)
         chains = drafter.unrolled_chains(drafter.chain_labels(batch, pairs)[1]).numel()
-        assert rows[0] == pairs.t_S.numel() and r_rows[0] == chains < sum(LENGTHS) // 2
+        assert rows[0] == pairs.t_S.numel() and r_rows[0] == chains < rows[0] // 3
         assert r_rows[1:] == rows[1:] == [chains] * (drafter.cfg.ttt_steps - 1)
     else:
         anchors_N = drafter.select_anchors(batch, torch.Generator().manual_seed(0))
