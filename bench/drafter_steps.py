@@ -1,5 +1,6 @@
 """Drafter train steps at production shapes (not a test): `python bench/drafter_steps.py [--device cuda]
-[--drafters mtp,eagle3,...] [--pack 32768] [--response-tokens 45] [--steps 5] [--fed [--workers 3]] [--small]`.
+[--drafters mtp,eagle3,...] [--pack 32768] [--response-tokens 45] [--steps 5] [--fed [--workers 3]] [--small]
+[--compute read|all]`.
 
 The target is Qwen3.5-35B-A3B's text geometry (hidden 2048, 40 layers = 30 gated-DeltaNet + 10 full attention,
 vocabulary 248,320, 16 query / 2 KV heads of 256, MoE of 256 experts top-8 of width 512 + a shared expert of 512, one
@@ -64,6 +65,7 @@ from specdistill.core.contract import TokenizedRow  # noqa: E402
 from specdistill.core.shapes import StaticShapes  # noqa: E402
 from specdistill.core.target import TargetHead, TargetInfo  # noqa: E402
 from specdistill.drafters import DRAFTERS, drafter_config  # noqa: E402
+from specdistill.drafters.base import COMPUTE_MODES  # noqa: E402
 from specdistill.feature_server.config import FeatureServerConfig  # noqa: E402
 from specdistill.feature_server.server import FeatureServer  # noqa: E402
 from specdistill.trainer.config import TrainerConfig  # noqa: E402
@@ -204,6 +206,7 @@ def timed(step, items, device, drafter=None) -> tuple[list[float], list[float]]:
 
 def bench_drafter(name: str, info: TargetInfo, head: TargetHead, args, device, target_dir: Path) -> dict:
     drafter = build(name, info, device)
+    drafter.compute = args.compute  # as the trainer sets it from trainer.compute
     batch = mission_pack(info, drafter.feature_spec().layer_ids, args.pack, device,
                          response_tokens=args.response_tokens)
     static = StaticShapes(tokens=args.pack, pad=device.type == "cuda")  # as a run lays packs out (core/shapes.py)
@@ -300,6 +303,8 @@ def main():
                     help="fixed pack: scored tokens per row (45: the mission's; 171 fills 1,024 anchors at 32k)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--compute", choices=COMPUTE_MODES, default="read",
+                    help="trainer.compute: read (only what a loss reads) or all (every position: the reference)")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                     help="bf16 autocast over fp32 weights (default on CUDA, as the trainer) or fp32 (default on CPU)")
     ap.add_argument("--count-flops", action="store_true",
@@ -323,7 +328,8 @@ def main():
         head = TargetHead(info).to(device)
         print(f"target: hidden {info.hidden_size}, vocab {info.vocab_size}, {info.num_hidden_layers} layers; "
               f"pack {args.pack} tokens = {ROWS_PER_PACK} rows x ~{args.pack // ROWS_PER_PACK} tokens, "
-              f"{args.response_tokens} scored each; {args.precision}" + (" autocast" if args.precision == "bf16" else ""))
+              f"{args.response_tokens} scored each; {args.precision}" + (" autocast" if args.precision == "bf16" else "")
+              + f"; compute={args.compute}")
         for name in args.drafters.split(","):
             try:
                 r = bench_drafter(name, info, head, args, device, Path(tmp) / "target")

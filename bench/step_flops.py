@@ -30,6 +30,13 @@ and, inside model, a lower bound on the work whose result no loss reads:
   unused    DFlash family: fc and K/V of context positions outside every anchor's window; EAGLE-3: step 0's last
             layer (q, o, MLP, attention) at the pairs that start no scored chain (only its K/V are read later).
 
+Each count follows the drafter's `compute` (trainer.compute, specdistill/drafters/base.py): with 'read' the DFlash
+family computes fc and K/V only at each document's [first window start, last anchor] (its unused: the few positions
+there no window reaches), EAGLE-3 its last step-0 layer's q, o, MLP and attention only at the N chains (its unused:
+none counted; the K/V of the pairs after a document's last chain are read by no query either), and DSpark, DFlash 2
+and DFlash's KL form the target's logits once per distinct position (within targets.TARGET_LOGITS_BUDGET) instead
+of per scored row and again in backward. `python bench/step_flops.py` prints both.
+
 Counts come from real tokens only: a padded pack's padding document, padded anchors and padded MTP slots (the
 compiled-shape padding, specdistill/core/shapes.py) do work that is not credited.
 
@@ -50,7 +57,9 @@ import torch  # noqa: E402
 
 from specdistill.core.batch import PackedBatch  # noqa: E402
 from specdistill.drafters import DRAFTERS, drafter_config  # noqa: E402
-from specdistill.drafters.eagle3 import TARGET_LOGITS_BUDGET  # noqa: E402
+from specdistill.drafters.base import COMPUTE_MODES  # noqa: E402
+from specdistill.drafters.dflash import window_context  # noqa: E402
+from specdistill.drafters.targets import TARGET_LOGITS_BUDGET  # noqa: E402
 from specdistill.trainer.config import TrainerConfig  # noqa: E402
 from specdistill.trainer.optim import (Optimizers, assign_owners, newton_schulz_flops,  # noqa: E402
                                         shard_rows)
@@ -65,6 +74,7 @@ class PackCounts:
     anchors: int  # N: blocks (DFlash family) or chains (MTP, EAGLE-3) trained
     context_keys: int  # C = sum_n c_n: the context keys one query of anchor n attends (window applied)
     context_read: int  # R: context positions (EAGLE-3: pairs) that some anchor's query attends
+    context_kept: int  # DFlash family: the positions compute='read' gives fc and K/V (dflash.window_context); else T
     scored: tuple[int, ...]  # M_k: scored rows per draft slot / chain step (M = sum)
     targets: int  # U: distinct positions whose target token (or distribution) the rows learn
 
@@ -96,11 +106,13 @@ def _covered(starts_N: torch.Tensor, ends_N: torch.Tensor, length: int) -> int:
     return int((delta.cumsum(0)[:length] > 0).sum())
 
 
-def _counts(batch, anchors_N, end_N, context_N, valid_NK, target_pos) -> PackCounts:
-    """end_N: where each anchor's context ends (exclusive); context_N: how many positions before it it attends."""
+def _counts(batch, anchors_N, end_N, context_N, valid_NK, target_pos, kept: int | None = None) -> PackCounts:
+    """end_N: where each anchor's context ends (exclusive); context_N: how many positions before it it attends;
+    kept: context positions a read-mode step computes (None: the pack's real tokens)."""
     read = _covered(end_N - context_N, end_N, batch.num_tokens)
     return PackCounts(tokens=batch.num_real_tokens, documents=_documents(batch), anchors=int(anchors_N.numel()),
                       context_keys=int(context_N.sum()), context_read=read,
+                      context_kept=batch.num_real_tokens if kept is None else kept,
                       scored=tuple(int(m) for m in valid_NK.sum(0).tolist()),
                       targets=int(torch.unique(target_pos).numel()))
 
@@ -117,7 +129,9 @@ def _dflash_counts(drafter, batch: PackedBatch, generator) -> PackCounts:
     context_N = batch.position_ids_T[anchors_N]
     if drafter.cfg.sliding_window is not None:
         context_N = context_N.clamp(max=drafter.cfg.sliding_window)
-    return _counts(batch, anchors_N, anchors_N, context_N, valid_NK, target_pos)
+    kept_C = window_context(batch.document_ids_T, anchors_N, drafter.cfg.sliding_window)
+    return _counts(batch, anchors_N, anchors_N, context_N, valid_NK, target_pos,
+                   None if kept_C is None else int(kept_C.numel()))
 
 
 def _mtp_counts(drafter, batch: PackedBatch, generator) -> PackCounts:
@@ -190,13 +204,25 @@ class _Tally:
                 "parts_overhead": {name: p[2] for name, p in self.parts.items() if p[2]}}
 
 
-def _dense_layer(t: _Tally, part: str, rows, shape, qkv_in=None):
-    """Qwen3 decoder layer's matmuls on `rows` rows (attention products apart); qkv_in: q/k/v input width."""
+def _dense_layer(t: _Tally, part: str, rows, shape, qkv_in=None, query_rows=None):
+    """Qwen3 decoder layer's matmuls on `rows` rows (attention products apart); qkv_in: q/k/v input width;
+    query_rows: the rows whose q, o_proj and MLP run, K/V at all `rows` (default: all of them)."""
     D, qd, kvd = shape.hidden, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    t.linear(part, rows, qkv_in or D, qd + 2 * kvd)
-    t.linear(part, rows, qd, D)
-    t.linear(part, rows, D, 2 * shape.intermediate)  # gate, up
-    t.linear(part, rows, shape.intermediate, D)  # down
+    q_rows = rows if query_rows is None else query_rows
+    t.linear(part, rows, qkv_in or D, 2 * kvd)
+    t.linear(part, q_rows, qkv_in or D, qd)
+    t.linear(part, q_rows, qd, D)
+    t.linear(part, q_rows, D, 2 * shape.intermediate)  # gate, up
+    t.linear(part, q_rows, shape.intermediate, D)  # down
+
+
+def _target_logits(t: _Tally, U, M, D, V, keep: bool):
+    """The target's logits a vocabulary loss compares with: once per distinct position where the step keeps them
+    (targets.DistinctTargets within its budget, fp32), else per scored row in each chunk, forward and backward."""
+    if keep and U * V * 4 <= TARGET_LOGITS_BUDGET:
+        t.linear("target", U, D, V, weight_grad=False, input_grad=False)
+    else:
+        t.linear("target", M, D, V, weight_grad=False, input_grad=False, recomputed=True)
 
 
 def _dflash_flops(drafter, c: PackCounts) -> dict:
@@ -205,15 +231,16 @@ def _dflash_flops(drafter, c: PackCounts) -> dict:
     D, V, B, L = s.hidden, drafter.target.vocab_size, drafter.block_size, len(drafter.layers)
     T, N, M, U = c.tokens, c.anchors, c.M, c.targets
     Q, kvd, qd = N * B, s.num_kv_heads * s.head_dim, s.num_heads * s.head_dim
-    t.linear("fc", T, len(drafter.target_layer_ids) * D, D, input_grad=False)  # reads target states
+    kept = c.context_kept if drafter.compute == "read" else T  # read: only where some window reaches
+    t.linear("fc", kept, len(drafter.target_layer_ids) * D, D, input_grad=False)  # reads target states
     for _ in range(L):
-        t.linear("context_kv", T, D, 2 * kvd)  # every layer projects the whole context to K/V
+        t.linear("context_kv", kept, D, 2 * kvd)  # every layer projects the context to K/V
         t.linear("block_layers", Q, D, qd + 2 * kvd)
         t.linear("block_layers", Q, qd, D)
         t.linear("block_layers", Q, D, 2 * s.intermediate)
         t.linear("block_layers", Q, s.intermediate, D)
     # Context outside every anchor's window: its fc rows and K/V are computed, read by no query.
-    t.unused += (T - c.context_read) * (4.0 * len(drafter.target_layer_ids) * D * D + L * 6.0 * D * 2 * kvd)
+    t.unused += (kept - c.context_read) * (4.0 * len(drafter.target_layer_ids) * D * D + L * 6.0 * D * 2 * kvd)
     in_block = B * (B + 1) // 2 if cfg.causal_in_block else B * B
     t.attention("attention", L * (B * c.context_keys + N * in_block), s.num_heads, s.head_dim)
     _DFLASH_HEADS[drafter.name](drafter, t, D, V, Q, M, U)
@@ -222,8 +249,8 @@ def _dflash_flops(drafter, c: PackCounts) -> dict:
 
 def _dflash_head(drafter, t, D, V, Q, M, U):
     t.linear("vocab_head", M, D, V, weight_grad=False, recomputed=True)  # the target's lm_head, frozen
-    if drafter.cfg.loss == "kl":  # target logits per scored row, with the draft's in each chunk
-        t.linear("target", M, D, V, weight_grad=False, input_grad=False, recomputed=True)
+    if drafter.cfg.loss == "kl":  # target logits: once per position (read) or per scored row in each chunk (all)
+        _target_logits(t, U, M, D, V, keep=drafter.compute == "read")
     else:  # greedy target token once per distinct position
         t.linear("target", U, D, V, weight_grad=False, input_grad=False)
 
@@ -236,7 +263,7 @@ def _dspark_head(drafter, t, D, V, Q, M, U):
     if r:
         t.linear("vocab_head", M, r, V, recomputed=True)
         t.add("vocab_head", overhead=2.0 * M * D * V)
-    t.linear("target", M, D, V, weight_grad=False, input_grad=False, recomputed=True)  # per scored row
+    _target_logits(t, U, M, D, V, keep=drafter.compute == "read")
     if drafter.markov_head is not None and cfg.markov_head_type == "gated":
         t.linear("markov", Q, D + r, r)
     elif drafter.markov_head is not None and cfg.markov_head_type == "rnn":
@@ -251,7 +278,7 @@ def _dflash2_head(drafter, t, D, V, Q, M, U):
     for _ in range(2 * len(drafter.layers)):  # attention and MLP convolutions' dynamic kernels, per layer
         t.linear("conv", Q, D, 2 * cfg.conv_kernel_size * G)
     t.linear("vocab_head", M, D, V, weight_grad=False, recomputed=True)
-    t.linear("target", M, D, V, weight_grad=False, input_grad=False, recomputed=True)  # per scored row
+    _target_logits(t, U, M, D, V, keep=drafter.compute == "read")
     t.linear("selector", M, D, V, weight_grad=False, input_grad=False)  # top-k candidates: a third vocab matmul
     t.linear("selector", M, D, cfg.selector_top_k, weight_grad=False)  # unary logits of the candidates
     t.linear("selector", M, D, cfg.selector_rank)  # hidden_projection
@@ -292,24 +319,26 @@ def _eagle3_flops(drafter, c: PackCounts) -> dict:
     if N == 0:  # no scored chain: the step returns a zero loss without a forward
         return t.result()
     S = sum(n - 1 for n in c.documents)  # pairs (token t, state t-1)
+    L, causal, read = len(drafter.layers), sum((n - 1) * n // 2 for n in c.documents), drafter.compute == "read"
     t.linear("fc", S, len(drafter.target_layer_ids) * D, D, input_grad=False)
-    for rows, part in [(S, "pair_layers")] + [(N, "chain_layers")] * (cfg.ttt_steps - 1):
-        for i in range(len(drafter.layers)):
-            _dense_layer(t, part, rows, s, qkv_in=2 * D if i == 0 else None)  # the first reads [emb; hidden]
-    L, causal = len(drafter.layers), sum((n - 1) * n // 2 for n in c.documents)
-    t.attention("attention", L * causal, s.num_heads, s.head_dim)  # step 0: causal over each row's pairs
-    # Step 0's last layer feeds the loss only at the N chain pairs; at the others only its K/V are read (later steps).
-    last_in, qd = (2 * D if L == 1 else D), s.num_heads * s.head_dim
-    t.unused += 6.0 * (S - N) * (last_in * qd + qd * D + 3 * D * s.intermediate)
-    t.unused += 12.0 * s.num_heads * s.head_dim * (causal - c.context_keys)  # chain n's step-0 query: c_n keys
+    for i in range(L):  # step 0; read: the last layer's q, o and MLP at the chains only, its K/V at every pair
+        last = i == L - 1
+        _dense_layer(t, "pair_layers", S, s, qkv_in=2 * D if i == 0 else None,  # the first reads [emb; hidden]
+                     query_rows=N if read and last else None)
+    for _ in range(1, cfg.ttt_steps):
+        for i in range(L):
+            _dense_layer(t, "chain_layers", N, s, qkv_in=2 * D if i == 0 else None)
+    # Step 0: causal over each row's pairs; read: the last layer's chain queries see c_n step-0 keys each.
+    t.attention("attention", (L - 1) * causal + (c.context_keys if read else causal), s.num_heads, s.head_dim)
+    if not read:  # step 0's last layer feeds the loss only at the N chain pairs; elsewhere only its K/V are read
+        last_in, qd = (2 * D if L == 1 else D), s.num_heads * s.head_dim
+        t.unused += 6.0 * (S - N) * (last_in * qd + qd * D + 3 * D * s.intermediate)
+        t.unused += 12.0 * s.num_heads * s.head_dim * (causal - c.context_keys)  # chain n's step-0 query: c_n keys
     for step in range(1, cfg.ttt_steps):  # context up to the anchor + the chain's own keys of steps 1..step
         t.attention("attention", L * (c.context_keys + N * step), s.num_heads, s.head_dim)
     t.linear("vocab_head", c.M, D, Vd, weight_grad=cfg.train_lm_head, recomputed=True)
     t.linear("target", U, D, V, weight_grad=False, input_grad=False)  # greedy token over the whole vocabulary
-    if U * Vd * 4 <= TARGET_LOGITS_BUDGET:  # fp32 logits kept once per position (eagle3.ChainTargets)
-        t.linear("target", U, D, Vd, weight_grad=False, input_grad=False)
-    else:  # else formed per row, in each chunk
-        t.linear("target", c.M, D, Vd, weight_grad=False, input_grad=False, recomputed=True)
+    _target_logits(t, U, c.M, D, Vd, keep=True)  # kept per position in either mode (targets.DistinctTargets)
     return t.result()
 
 
@@ -424,21 +453,26 @@ def report(args, info, step_ms: dict):
     packs = [tuple(int(x) for x in p.split("x")) for p in args.packs.split(",")]
     print(f"target: hidden {info.hidden_size}, vocab {info.vocab_size}, {info.num_hidden_layers} layers. TFLOP per "
           "step: model = forward + backward (the MFU numerator), executed = + recomputation, unused = model work "
-          "no loss reads, Muon = the optimizer's Newton-Schulz\n")
-    print("| drafter | pack | T | N | M | U | model | executed | unused | Muon | MFU | largest parts (model) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "no loss reads, Muon = the optimizer's Newton-Schulz; per anchor: model GFLOP / N; compute = "
+          "trainer.compute (MFU: the step times given are read's)\n")
+    print("| drafter | compute | pack | T | N | M | U | model | per anchor | executed | unused | Muon | MFU | "
+          "largest parts (model) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.drafters.split(","):
         drafter = meta_drafter(name, info)
         opt = optimizer_flops(drafter)
         for rows, response in packs:
             c = pack_counts(drafter, mission_rows(rows, response, info))
-            f = step_flops(drafter, c)
-            parts = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in sorted(f["parts"].items(), key=lambda kv: -kv[1])[:4])
-            mfu = (f"{f['model'] / (step_ms[name] / 1e3) / (args.peak_tflops * 1e12):.3f}"
-                   if name in step_ms and (rows, response) == (6, 45) else "")
-            print(f"| {name} | {rows}x{response} | {c.tokens:,} | {c.anchors:,} | {c.M:,} | {c.targets:,} | "
-                  f"{f['model'] / 1e12:.2f} | {f['executed'] / 1e12:.2f} | {f['unused'] / 1e12:.2f} | "
-                  f"{opt / 1e12:.2f} | {mfu} | {parts} |")
+            for compute in COMPUTE_MODES:
+                drafter.compute = compute
+                f = step_flops(drafter, c)
+                parts = ", ".join(f"{k} {v / 1e12:.2f}"
+                                  for k, v in sorted(f["parts"].items(), key=lambda kv: -kv[1])[:4])
+                mfu = (f"{f['model'] / (step_ms[name] / 1e3) / (args.peak_tflops * 1e12):.3f}"
+                       if name in step_ms and (rows, response) == (6, 45) and compute == "read" else "")
+                print(f"| {name} | {compute} | {rows}x{response} | {c.tokens:,} | {c.anchors:,} | {c.M:,} | "
+                      f"{c.targets:,} | {f['model'] / 1e12:.2f} | {f['model'] / max(c.anchors, 1) / 1e9:.1f} | "
+                      f"{f['executed'] / 1e12:.2f} | {f['unused'] / 1e12:.2f} | {opt / 1e12:.2f} | {mfu} | {parts} |")
 
 
 def muon_report(args, info):

@@ -12,10 +12,11 @@ prompt-anchored chains vLLM never drafts, specdistill/drafters/eagle3.py); DFlas
 position weights over max_anchors anchors of block 8.
 Before timing, each drafter's loss check must pass: both sides' losses on the same weights and the same scored
 rows agree within 1e-4 relative (EAGLE-3: the pack's first document as all response; DFlash: every valid anchor,
-so both select the same blocks), else the bench stops. Ours saves work three ways, and the ablation rows separate
-them: `*_all_chains` (EAGLE-3 unrolls every pair, as speculators does), `*_reference_attention` (a dense
-mask, as speculators' eager attention, instead of chunked per-document attention); what remains of the gap is
-the response-only loss (logits only where a row is scored). speculators runs as it can on a CPU (the
+so both select the same blocks), else the bench stops. Ours saves work four ways, and the ablation rows separate
+them: `*_compute_all` (trainer.compute=all: EAGLE-3's step 0 runs its last layer at every pair, DFlash its fc and K/V
+over the whole context), and on top of that `*_all_chains` (EAGLE-3 unrolls every pair, as speculators does) and
+`*_reference_attention` (a dense mask, as speculators' eager attention, instead of chunked per-document attention);
+what remains of the gap is the response-only loss (logits only where a row is scored). speculators runs as it can on a CPU (the
 `speculators_configuration` line): eager attention and eager losses, not its CUDA/Triton paths.
 Steps alternate between all variants so they share the machine's noise; the median of the timed steps is reported.
 Prints `{drafter}_{variant}_ratio` (variant / speculators) for the ablations, then last `eagle3_step_ratio: R`
@@ -116,17 +117,19 @@ def eagle3_sides(info, head, batch, tmp: Path, ttt_steps: int):
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    def build(cls=Eagle3Drafter, attention_impl="auto"):
+    def build(cls=Eagle3Drafter, attention_impl="auto", compute="read"):
         torch.manual_seed(0)  # every variant starts from the same weights
         drafter = cls(Eagle3Config(target_layer_ids=[1, 2, 3], num_layers=1, ttt_steps=ttt_steps,
                                    draft_vocab_size=info.vocab_size, attention_impl=attention_impl), info).train()
         # Every token is a response token: draft vocab = the whole target vocab, lm_head = the target's.
         drafter.prepare([TokenizedRow(0, tuple(range(info.vocab_size)), (1,) * info.vocab_size)])
+        drafter.compute = compute
         return drafter
 
     drafter = build()
-    variants = {"ours": drafter, "ours_all_chains": build(AllChainsEagle3),
-                "ours_reference_attention": build(attention_impl="reference")}
+    variants = {"ours": drafter, "ours_compute_all": build(compute="all"),
+                "ours_all_chains": build(AllChainsEagle3, compute="all"),
+                "ours_reference_attention": build(attention_impl="reference", compute="all")}
     ours = {name: our_step(d, batch, head) for name, d in variants.items()}
     loss_config = resolve_loss_config("kl_div", "eager")
 
@@ -162,16 +165,19 @@ def dflash_sides(info, head, batch, tmp: Path, num_layers: int, max_anchors: int
     from speculators.losses import resolve_loss_config
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 
-    def build(attention_impl="auto"):
+    def build(attention_impl="auto", compute="read"):
         torch.manual_seed(0)
-        return DFlashDrafter(DFlashConfig(num_layers=num_layers, target_layer_ids=[1, 2, 3], sliding_window=None,
-                                          max_anchors=max_anchors, loss_weighting="dpace",
-                                          attention_impl=attention_impl),
-                             info, mask_token_id=MASK_TOKEN_ID).train()
+        drafter = DFlashDrafter(DFlashConfig(num_layers=num_layers, target_layer_ids=[1, 2, 3], sliding_window=None,
+                                             max_anchors=max_anchors, loss_weighting="dpace",
+                                             attention_impl=attention_impl),
+                                info, mask_token_id=MASK_TOKEN_ID).train()
+        drafter.compute = compute
+        return drafter
 
     drafter = build()
     ours = {"ours": our_step(drafter, batch, head),
-            "ours_reference_attention": our_step(build("reference"), batch, head)}
+            "ours_compute_all": our_step(build(compute="all"), batch, head),
+            "ours_reference_attention": our_step(build("reference", compute="all"), batch, head)}
     aux = batch.layers(drafter.target_layer_ids).flatten(1)[None].contiguous()
     last = batch.layers([info.num_hidden_layers])[:, 0][None].contiguous()
     loss_config = resolve_loss_config("ce", "eager")  # CE to the target's argmax, as ours

@@ -29,7 +29,10 @@ from specdistill.drafters.layers import (LayerShape, QKVProjections, Rotary, Swi
                              layer_geometry, speculators_layer_config)
 from specdistill.drafters import vllm_groups
 from specdistill.drafters.target_init import init_layers_from_target
+from specdistill.drafters.targets import DistinctTargets
 from specdistill.kernels.attention import anchor_block_plan
+from specdistill.kernels.attention.chunked import document_starts, documents_are_contiguous
+from specdistill.kernels.attention.static import PaddedContext, pad_documents
 from specdistill.kernels.logits import chunked_argmax, chunked_loss
 
 log = logging.getLogger(__name__)
@@ -103,6 +106,68 @@ def position_weights(cfg: DFlashConfig, loss_NK: torch.Tensor, valid_NK: torch.T
     if cfg.loss_weighting == "uniform":
         return valid_NK.float()
     raise ValueError(f"drafter.loss_weighting={cfg.loss_weighting!r} is not one of {LOSS_WEIGHTINGS}")
+
+
+def window_context(document_ids_T: torch.Tensor, anchors_N: torch.Tensor,
+                   sliding_window: int | None) -> torch.Tensor | None:
+    """The context positions [C] the blocks of `anchors_N` can read, ascending; None when that is every position.
+
+    The block at anchor a sees [max(doc_start, a - W), a) (kernels/attention/reference.py). Per document with an
+    anchor the contiguous range [its first window's start, its last anchor] is kept: the last anchor itself so that
+    every anchor has an index among the kept positions, the gaps between windows so that distances inside a document
+    (masks, windows) stay those of the pack. Documents that are not contiguous runs, or no anchor: None."""
+    T = document_ids_T.shape[0]
+    if anchors_N.numel() == 0 or not documents_are_contiguous(document_ids_T):
+        return None
+    lo_N = document_starts(document_ids_T)[anchors_N]
+    if sliding_window is not None:
+        lo_N = torch.maximum(lo_N, anchors_N - sliding_window)
+    docs_N = document_ids_T[anchors_N]
+    # Per document id: [first window start, last anchor + 1); a document with no anchor keeps the empty [T, T).
+    lo_D = torch.full_like(document_ids_T, T).scatter_reduce(0, docs_N, lo_N, "amin")
+    end_D = torch.full_like(document_ids_T, T).scatter_reduce(0, docs_N, anchors_N + 1, "amax", include_self=False)
+    ones = torch.ones_like(lo_D)
+    edges = torch.zeros(T + 1, dtype=torch.long, device=document_ids_T.device).index_add_(0, lo_D, ones)
+    kept_C = torch.nonzero(edges.index_add_(0, end_D, -ones).cumsum(0)[:T] > 0).squeeze(-1)
+    return None if kept_C.numel() == T else kept_C
+
+
+@dataclass
+class BlockContext:
+    """The context of one pass of anchor blocks: the pack positions whose fc and K/V it computes (kept_C; None: all),
+    their document and position ids (RoPE), and the anchors as indices into them."""
+
+    kept_C: torch.Tensor | None
+    document_ids_C: torch.Tensor
+    position_ids_C: torch.Tensor
+    anchors_N: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: PackedBatch, anchors_N: torch.Tensor, sliding_window: int | None, read: bool) -> "BlockContext":
+        """read (compute='read'): only the positions some window reaches (window_context); else the whole pack."""
+        kept_C = window_context(batch.document_ids_T, anchors_N, sliding_window) if read else None
+        if kept_C is None:
+            return cls(None, batch.document_ids_T, batch.position_ids_T, anchors_N)
+        return cls(kept_C, batch.document_ids_T[kept_C], batch.position_ids_T[kept_C],
+                   torch.searchsorted(kept_C, anchors_N))
+
+    def plan(self, block_size: int, sliding_window, causal_in_block: bool, impl: str, static):
+        """One attention plan (mask or chunking) per pass, shared by every layer: keys [context ; blocks]."""
+        documents_C, C = self.document_ids_C, self.document_ids_C.shape[0]
+        padded = self.kept_C is not None and static is not None and static.pad
+        if padded:
+            # Compiled attention must see few shapes (core/shapes.py): the compacted context is laid out over the
+            # run's token budget, as every pack is, so the kernel sees exactly compute='all''s shapes and compiles
+            # nothing new. It costs little: fc and K/V are still projected at the kept positions only (the padding's
+            # keys are zeros inserted after them, PaddedContext), and flex attention skips the padding's tiles, empty
+            # in every block's mask; a finer bucket would only shrink the block mask, at the price of more shapes.
+            if C > static.tokens:
+                raise ValueError(f"an anchor-block context of {C} positions, more than the run's fixed {static.tokens}"
+                                 " (trainer.token_budget)")
+            documents_C = pad_documents(documents_C, static.tokens)
+        plan = anchor_block_plan(documents_C, self.anchors_N, block_size, sliding_window, causal_in_block, impl=impl,
+                                 static=static)
+        return PaddedContext(plan, C, static.tokens) if padded else plan
 
 
 class DFlashAttention(QKVProjections):
@@ -210,19 +275,28 @@ class DFlashDrafter(Drafter):
     def block_hidden(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
         """Final-normed drafter states [N, B, D] for one block per anchor, all blocks in one pass."""
         N, B = anchors_N.shape[0], self.block_size
-        ctx_TD = self.hidden_norm(self.fc(batch.layers(self.target_layer_ids).flatten(1)))
+        context = BlockContext.of(batch, anchors_N, self.cfg.sliding_window, read=self.compute == "read")
+        ctx_CD = self.hidden_norm(self.fc(self.context_states(batch, context.kept_C)))
         block_ids_NB = torch.full((N, B), self.mask_token_id, dtype=torch.long, device=anchors_N.device)
         block_ids_NB[:, 0] = batch.input_ids_T[anchors_N]
-        x_QD = head.embed_tokens(block_ids_NB.flatten()).to(ctx_TD.dtype)
+        x_QD = head.embed_tokens(block_ids_NB.flatten()).to(ctx_CD.dtype)
         block_pos_Q = (batch.position_ids_T[anchors_N][:, None] + torch.arange(B, device=anchors_N.device)).flatten()
         rope_q = self.rotary(block_pos_Q)
-        rope_k = self.rotary(torch.cat([batch.position_ids_T, block_pos_Q]))
-        # One attention plan (mask or chunking) per batch, shared by every layer.
-        attention = anchor_block_plan(batch.document_ids_T, anchors_N, B, self.cfg.sliding_window,
-                                      self.cfg.causal_in_block, impl=self.cfg.attention_impl, static=batch.static)
+        rope_k = self.rotary(torch.cat([context.position_ids_C, block_pos_Q]))
+        attention = context.plan(B, self.cfg.sliding_window, self.cfg.causal_in_block, self.cfg.attention_impl,
+                                 batch.static)
         for layer in self.layers:
-            x_QD = layer(x_QD, ctx_TD, rope_q, rope_k, attention)
+            x_QD = layer(x_QD, ctx_CD, rope_q, rope_k, attention)
         return self.norm(x_QD).view(N, B, -1)
+
+    def context_states(self, batch: PackedBatch, positions_C: torch.Tensor | None) -> torch.Tensor:
+        """The fused input [C, L * D] of `fc`: the target layers' states at the context positions (None: all)."""
+        states_TLD = batch.layers(self.target_layer_ids)
+        return (states_TLD if positions_C is None else states_TLD[positions_C]).flatten(1)
+
+    def last_layer_at(self, batch: PackedBatch, positions_P: torch.Tensor) -> torch.Tensor:
+        """The target's last-layer states [P, D] at pack positions (pre-norm): its distribution there."""
+        return batch.layers([self.target.num_hidden_layers])[positions_P, 0]
 
     def label_positions(self, batch: PackedBatch, anchors_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token positions [N, K] each draft slot predicts, and which of them carry loss."""
@@ -244,22 +318,22 @@ class DFlashDrafter(Drafter):
         """Loss and metrics of one block per anchor (the anchors chosen by the caller, so a reference
         implementation can be compared on the same blocks)."""
         pos_NK, valid_NK = self.label_positions(batch, anchors_N)
-        last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
+        if self.cfg.loss not in ("ce", "kl"):
+            raise ValueError(f"drafter.loss={self.cfg.loss!r}; valid: ce, kl")
         # Response-only target logits: the target's token at p comes from its state at p-1. A position is the
-        # label of up to K blocks: its greedy token is computed once.
-        states_U, index_M = torch.unique(pos_NK[valid_NK] - 1, return_inverse=True)
+        # label of up to K blocks: its greedy token (ce) or its logits (kl, compute='read') are formed once.
+        target = DistinctTargets(head, lambda p: self.last_layer_at(batch, p), pos_NK[valid_NK] - 1,
+                                 keep_logits=self.cfg.loss == "kl" and self.compute == "read")
         hidden_MD = self.block_hidden(batch, head, anchors_N)[:, 1:][valid_NK]
         # Draft logits only at loss positions, a chunk at a time (never [M, vocab] for backward); the greedy
         # tokens for the metrics come from the same pass.
         W = head.lm_head.weight
         if self.cfg.loss == "kl":
-            rows = chunked_loss("kl", hidden_MD, W, head.norm(last_TD[states_U].to(W.dtype))[index_M], W)
+            rows = chunked_loss("kl", hidden_MD, W, **target.loss_args())
             target_M = rows.target_token
-        elif self.cfg.loss == "ce":
-            target_M = head.argmax(last_TD[states_U])[index_M]
-            rows = chunked_loss("ce", hidden_MD, W, labels_M=target_M)
         else:
-            raise ValueError(f"drafter.loss={self.cfg.loss!r}; valid: ce, kl")
+            target_M = target.argmax_U[target.rows_M]
+            rows = chunked_loss("ce", hidden_MD, W, labels_M=target_M)
         loss_NK = torch.zeros(valid_NK.shape, device=rows.loss.device).masked_scatter(valid_NK, rows.loss)
         weight_NK = position_weights(self.cfg, loss_NK, valid_NK)
         loss = (weight_NK * loss_NK).sum() / valid_NK.sum().clamp(min=1)

@@ -30,6 +30,7 @@ from specdistill.core.target import TargetHead, TargetInfo
 from specdistill.drafters.base import block_metrics
 from specdistill.drafters.dflash import DFlashConfig, DFlashDecoderLayer, DFlashDrafter, position_weights
 from specdistill.drafters.layers import LayerShape, init_linear
+from specdistill.drafters.targets import DistinctTargets
 from specdistill.kernels.logits import DEFAULT_CHUNK, chunked_argmax, chunked_loss
 
 
@@ -193,8 +194,10 @@ class DFlash2Drafter(DFlashDrafter):
         state_M = pos_NK[valid_NK] - 1  # the target's token at p comes from its state at p-1 ...
         prev_M = batch.input_ids_T[state_M]  # ... and follows the token at p-1 (teacher forcing)
         W = head.lm_head.weight
-        target_MD = head.norm(batch.layers([self.target.num_hidden_layers])[state_M, 0].to(W.dtype))
-        kl_rows = chunked_loss("kl", hidden_MD, W, target_MD, W)  # the target's greedy tokens from the same pass
+        # The target's logits once per distinct state with compute='read' (a position is a slot of up to K blocks).
+        target = DistinctTargets(head, lambda p: self.last_layer_at(batch, p), state_M,
+                                 keep_logits=self.compute == "read")
+        kl_rows = chunked_loss("kl", hidden_MD, W, **target.loss_args())  # the target's greedy tokens: same pass
         kl_M, target_M = kl_rows.loss, kl_rows.target_token
         _, candidates_MC = chunked_topk(hidden_MD.detach(), W, self.cfg.selector_top_k)
         training_MC, label_M, contains_M = selector_training_candidates(candidates_MC, target_M)

@@ -33,6 +33,7 @@ from specdistill.core.target import TargetHead, TargetInfo
 from specdistill.drafters.base import block_metrics
 from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter, exp_decay_weights, position_weights
 from specdistill.drafters.layers import init_linear
+from specdistill.drafters.targets import DistinctTargets
 from specdistill.kernels.logits import chunked_argmax, chunked_loss
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -180,11 +181,12 @@ class DSparkDrafter(DFlashDrafter):
         valid_NK, state_NK, prev_NB = self.draft_rows(batch, anchors_N)
         x_NBD, W, conf_NB = self.corrected(self.block_hidden(batch, head, anchors_N), prev_NB, head)
         x_MD = x_NBD[:, self.first_slot:][valid_NK]
-        last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
-        target_MD = head.norm(last_TD[state_NK[valid_NK]].to(W.dtype))  # logits = target_MD @ W_lm^T
-        W_lm = head.lm_head.weight
+        # The target's logits over its whole vocabulary, once per distinct state (a position is a slot of up to K
+        # blocks) with compute='read'; 'all' forms them per row, in each chunk, forward and backward.
+        target = DistinctTargets(head, lambda p: self.last_layer_at(batch, p), state_NK[valid_NK],
+                                 keep_logits=self.compute == "read")
         # One chunked pass: the KL, and from its logits the greedy tokens and TV (the confidence head's label).
-        pass_M = chunked_loss("kl", x_MD, W, target_MD, W_lm, with_tv=True)
+        pass_M = chunked_loss("kl", x_MD, W, with_tv=True, **target.loss_args())
         kl_M = pass_M.loss
         kl_NK = torch.zeros(valid_NK.shape, device=kl_M.device).masked_scatter(valid_NK, kl_M)
         rows = valid_NK.sum().clamp(min=1)

@@ -23,6 +23,11 @@ Matches speculators 0.9.0 (models/eagle3) and vLLM 0.32 (qwen3_eagle3.py, spec_d
   mask set to mask[t] & mask[t+1] both score the same rows on a document whose tokens after the first are all
   response (tests/drafters/test_eagle3.py checks loss and gradients on such a batch). Later steps run only on
   chains that carry a label (speculators runs every pair at every step).
+- What step 0 computes (trainer.compute): later steps read step 0's keys and values at every pair, but its output
+  only at the chains' own pairs. 'read' (default) runs the layers below the last at every pair and the last one's
+  fc, embedding, norms and K/V there too, its query, attention, o_proj and MLP only at the chains (~264 of a mission
+  pack's ~32k pairs); 'all' runs every layer at every pair (speculators' and vLLM's first pass). The KV cache, and so
+  every step's output, is the same (tests/drafters/test_compute_read.py); propose() and draft_logits() share it.
 
 Suffixes: T packed tokens, S drafter pairs, N chains (anchors), D hidden, H/d heads/head dim, V vocab.
 """
@@ -45,6 +50,7 @@ from specdistill.core.target import RMSNorm, TargetHead, TargetInfo
 from specdistill.drafters.base import Drafter, StepOutput, export_dtype, proposal_tokens, speculators_block
 from specdistill.drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
                              layer_geometry, speculators_layer_config)
+from specdistill.drafters.targets import DistinctTargets
 from specdistill.kernels.attention import packed_causal_plan
 from specdistill.kernels.logits import chunked_argmax, chunked_loss
 
@@ -118,31 +124,36 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
 
-    def forward(self, embeds_QD, hidden_QD, rope, attend) -> torch.Tensor:
-        """attend(q_QHd, k_QHd, v_QHd) -> [Q, H, d]: the caller owns the masks and the KV cache."""
+    def forward(self, embeds_QD, hidden_QD, rope, attend, rows_R=None) -> torch.Tensor:
+        """attend(q_RHd, k_QHd, v_QHd) -> [R, H, d]: the caller owns the masks and the KV cache. rows_R: the rows
+        whose output is wanted (default all): keys and values come from every row, the query, attention, o_proj and
+        MLP only at these (compute='read': step 0's last layer at the chain anchors)."""
         if self.first:
             normed = self.hidden_norm(hidden_QD)
             residual = normed if self.norm_before_residual else hidden_QD
             x = torch.cat([self.input_layernorm(embeds_QD), normed], dim=-1)
         else:
             residual, x = hidden_QD, self.input_layernorm(hidden_QD)
-        q = apply_rotary(self.self_attn.queries(x), *rope)
         k, v = self.self_attn.keys_values(x)
-        out = attend(q, apply_rotary(k, *rope), v)
+        k = apply_rotary(k, *rope)
+        if rows_R is not None:
+            x, residual, rope = x[rows_R], residual[rows_R], (rope[0][rows_R], rope[1][rows_R])
+        out = attend(apply_rotary(self.self_attn.queries(x), *rope), k, v)
         h = residual + self.self_attn.o_proj(out.reshape(x.shape[0], -1))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class ChainAttention:
     """Attention of unrolled step s >= 1: chain n (anchored at pair i_n) sees step-0 keys j <= i_n of its own
-    document and its own keys of steps 1..s. One masked SDPA per document (chains sorted by pair index)."""
+    document and its own keys of steps 1..s. One masked SDPA per document (chains sorted by pair index). With no own
+    keys it is step 0's attention at the chains' own pairs (compute='read': the last layer's queries only there)."""
 
     def __init__(self, document_ids_S: torch.Tensor, chain_S_N: torch.Tensor):
         device = chain_S_N.device
         docs_N = document_ids_S[chain_S_N]
         self.groups = []  # (chains [n0, n1), context pairs [lo, hi), mask of the context part)
         bounds = torch.nonzero(docs_N[1:] != docs_N[:-1]).squeeze(-1).add(1).tolist()
-        for n0, n1 in zip([0] + bounds, bounds + [chain_S_N.shape[0]]):
+        for n0, n1 in zip([0] + bounds, bounds + [chain_S_N.shape[0]]) if chain_S_N.numel() else ():
             in_doc = torch.nonzero(document_ids_S == docs_N[n0]).squeeze(-1)
             lo, hi = int(in_doc[0]), int(in_doc[-1]) + 1
             ctx = torch.arange(lo, hi, device=device)[None, :] <= chain_S_N[n0:n1, None]
@@ -160,7 +171,7 @@ class ChainAttention:
                 q_NHd[n0:n1].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 attn_mask=mask, scale=scale, enable_gqa=q_NHd.shape[1] != k.shape[1])
             outs.append(out[0].transpose(0, 1))
-        return torch.cat(outs)
+        return torch.cat(outs) if outs else q_NHd.new_zeros(0, q_NHd.shape[1], ctx_v_SHd.shape[-1])
 
 
 @dataclass
@@ -171,39 +182,6 @@ class Pairs:
     index_T: torch.Tensor  # pair index of token position t, -1 at a document's first token
     document_ids_S: torch.Tensor
     rope_pos_S: torch.Tensor
-
-
-# [positions, draft vocab] target logits a step may keep (bytes); above it they are recomputed per chain step.
-TARGET_LOGITS_BUDGET = 1 << 30
-
-
-class ChainTargets:
-    """The target's side of one training step's chain losses, computed once per scored position.
-
-    Chain step s of the anchor at a predicts position a + 1 + s, so the same position is scored by up to ttt_steps
-    chains: its final-normed state, its greedy token over the whole vocabulary, and (within TARGET_LOGITS_BUDGET)
-    its logits over the draft vocabulary are computed here once, not once per chain step, forward and backward
-    (measured on small-real's demo rows: 11% of a CPU step went to the target's logits, 6% to its argmax).
-    Suffix U: the distinct target positions, sorted."""
-
-    def __init__(self, head: TargetHead, last_TD: torch.Tensor, prev_M: torch.Tensor, draft_ids: torch.Tensor):
-        self.states_U = torch.unique(prev_M)
-        with torch.no_grad():
-            self.normed_UD = head.norm(last_TD[self.states_U])
-            self.argmax_U = head.argmax(last_TD[self.states_U])
-            self.weight_VD = head.lm_head.weight[draft_ids]  # the target distribution restricted to the draft vocab
-            fits = self.states_U.numel() * draft_ids.numel() * self.normed_UD.element_size() <= TARGET_LOGITS_BUDGET
-            self.logits_UV = F.linear(self.normed_UD, self.weight_VD) if fits else None
-
-    def index(self, positions_M: torch.Tensor) -> torch.Tensor:
-        """Rows of states_U for pack positions (each one of the prev_M given)."""
-        return torch.searchsorted(self.states_U, positions_M)
-
-    def loss_args(self, u_M: torch.Tensor) -> dict:
-        """chunked_loss's target arguments for rows u_M: the kept logits, or the states to recompute them from."""
-        if self.logits_UV is not None:  # shared by every chain step's call: no [M, V] copy per step
-            return {"target_logits_UV": self.logits_UV, "target_rows_M": u_M}
-        return {"target_hidden_MD": self.normed_UD[u_M], "target_weight_VD": self.weight_VD}
 
 
 class Eagle3Drafter(Drafter):
@@ -300,6 +278,10 @@ class Eagle3Drafter(Drafter):
         return FeatureSpec(tuple(sorted(set(self.target_layer_ids) | {self.target.num_hidden_layers})))
 
     # --- forward -----------------------------------------------------------------------------------
+    def last_layer_at(self, batch: PackedBatch, positions_P: torch.Tensor) -> torch.Tensor:
+        """The target's last-layer states [P, D] at pack positions (pre-norm): its distribution there."""
+        return batch.layers([self.target.num_hidden_layers])[positions_P, 0]
+
     def pairs(self, batch: PackedBatch) -> Pairs:
         T, doc = batch.num_tokens, batch.document_ids_T
         has_prev = torch.zeros(T, dtype=torch.bool, device=doc.device)
@@ -309,31 +291,44 @@ class Eagle3Drafter(Drafter):
         index_T[t_S] = torch.arange(t_S.shape[0], device=doc.device)
         return Pairs(t_S, index_T, doc[t_S], batch.position_ids_T[t_S] - 1)
 
-    def first_pass(self, batch: PackedBatch, head: TargetHead, pairs: Pairs):
-        """Step 0 over every pair (the drafter's KV cache, as vLLM's first pass fills it): layer outputs [S, D]
-        and each layer's keys/values."""
+    def first_pass(self, batch: PackedBatch, head: TargetHead, pairs: Pairs, chain_S_N: torch.Tensor,
+                   attention: ChainAttention | None):
+        """Step 0 (the drafter's KV cache, as vLLM's first pass fills it): the last layer's outputs at the chains
+        `chain_S_N` [N, D] and each layer's keys/values at every pair. compute='all' runs every layer at every pair;
+        'read' runs the layers below the last at every pair (their outputs feed the last layer's keys), and the last
+        one's query, attention, o_proj and MLP only at the chains (`attention`: its keys are the step-0 keys of the
+        chain's document up to its pair; elsewhere later steps read only its keys and values)."""
         aux_SD = batch.layers(self.target_layer_ids)[pairs.t_S - 1].flatten(1)
         hidden_SD = self.fc(aux_SD)
         embeds_SD = head.embed_tokens(batch.input_ids_T[pairs.t_S]).to(hidden_SD.dtype)
         rope = self.rotary(pairs.rope_pos_S)
-        plan = packed_causal_plan(pairs.document_ids_S, impl=self.cfg.attention_impl, static=batch.static)
-        cache = []
+        scale, cache = self.layers[0].self_attn.scale, []
+        every_pair = self.layers if self.compute == "all" else self.layers[:-1]
+        if len(every_pair):
+            plan = packed_causal_plan(pairs.document_ids_S, impl=self.cfg.attention_impl, static=batch.static)
 
         def attend(q, k, v):
             cache.append((k, v))
-            return plan(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.layers[0].self_attn.scale)
+            return plan(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale)
 
-        for layer in self.layers:
+        for layer in every_pair:
             hidden_SD = layer(embeds_SD, hidden_SD, rope, attend)
-        return hidden_SD, cache
+        if len(every_pair) == len(self.layers):
+            return hidden_SD[chain_S_N], cache
+
+        def attend_chains(q_NHd, k, v):
+            cache.append((k, v))
+            return attention(q_NHd, k, v, [], [], scale)
+
+        return self.layers[-1](embeds_SD, hidden_SD, rope, attend_chains, rows_R=chain_S_N), cache
 
     def unroll(self, batch, head, pairs: Pairs, chain_S_N: torch.Tensor, steps: int, next_tokens):
         """Final-normed states [N, D] of steps 0..steps-1 for chains anchored at pairs `chain_S_N` (sorted);
         next_tokens(s, normed_ND) gives the tokens [N] fed to step s (teacher forcing, or the drafts)."""
-        hidden_SD, cache = self.first_pass(batch, head, pairs)
-        hidden_ND = hidden_SD[chain_S_N]
+        attention = (ChainAttention(pairs.document_ids_S, chain_S_N) if steps > 1 or self.compute == "read"
+                     else None)
+        hidden_ND, cache = self.first_pass(batch, head, pairs, chain_S_N, attention)
         normed = [self.norm(hidden_ND)]
-        attention = ChainAttention(pairs.document_ids_S, chain_S_N) if steps > 1 else None
         own = [([], []) for _ in self.layers]
         scale = self.layers[0].self_attn.scale
         for s in range(1, steps):
@@ -378,10 +373,9 @@ class Eagle3Drafter(Drafter):
         # Teacher forcing (speculators): step s reads the true token at anchor + s.
         teacher = lambda s, _: batch.input_ids_T[(anchor_N + s).clamp(max=batch.num_tokens - 1)]  # noqa: E731
         normed = self.unroll(batch, head, pairs, chain_S_N, self.cfg.ttt_steps, teacher)
-        last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
         draft_ids = self.draft_ids
-        target = ChainTargets(head, last_TD, pos_NK[valid_NK] - 1, draft_ids)
-        loss = last_TD.new_zeros(())
+        target = DistinctTargets(head, lambda p: self.last_layer_at(batch, p), pos_NK[valid_NK] - 1, draft_ids)
+        loss = target.last_UD.new_zeros(())
         correct_NK = torch.zeros_like(valid_NK)
         for s, normed_ND in enumerate(normed):
             rows = valid_NK[:, s]

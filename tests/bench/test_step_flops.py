@@ -1,5 +1,6 @@
-"""bench/step_flops.py's analytic count against torch's FlopCounterMode over the step itself, per drafter, on CPU at
-bench/drafter_steps.py's SMALL geometry in fp32 (a 1,024-token mission pack: 6 rows, 45 scored tokens each).
+"""bench/step_flops.py's analytic count against torch's FlopCounterMode over the step itself, per drafter and per
+trainer.compute (read and all), on CPU at bench/drafter_steps.py's SMALL geometry in fp32 (a 1,024-token mission pack:
+6 rows, 45 scored tokens each).
 
 On CPU the counter sees matmuls (mm, addmm, bmm) but no attention: the CPU SDPA kernel has no FLOP formula (it counts
 0). Under the math SDPA backend attention runs as bmm and is counted, dense over the keys each SDPA call is given.
@@ -29,6 +30,7 @@ from bench.drafter_steps import SMALL, build, mission_pack, write_target
 from bench.step_flops import meta_drafter, mission_rows, pack_counts, production_target, step_flops
 from specdistill.core.batch import layout_ids
 from specdistill.core.target import TargetHead
+from specdistill.drafters.dflash import BlockContext
 from specdistill.drafters.eagle3 import ChainAttention
 from specdistill.kernels.attention import anchor_block_mask, chunked, packed_causal_mask
 
@@ -84,25 +86,36 @@ def attention_pairs(drafter, batch) -> tuple[int, int, int]:
     if drafter.name == "eagle3":
         pairs = drafter.pairs(batch)
         chain = drafter.unrolled_chains(drafter.chain_labels(batch, pairs)[1])
-        exact = int(packed_causal_mask(pairs.document_ids_S).sum())
-        dense = _products(chunked.packed_causal_plan(pairs.document_ids_S))
-        groups = ChainAttention(pairs.document_ids_S, chain).groups
+        L, groups = len(drafter.layers), ChainAttention(pairs.document_ids_S, chain).groups
+        causal = int(packed_causal_mask(pairs.document_ids_S).sum())
+        causal_dense = _products(chunked.packed_causal_plan(pairs.document_ids_S))
+        at_chains = sum(int(ctx.sum()) for *_, ctx in groups)  # step 0's chain queries over the step-0 keys
+        at_chains_dense = sum((n1 - n0) * (hi - lo) for n0, n1, lo, hi, _ in groups)
+        if drafter.compute == "read":  # step 0's last layer: queries at the chains only
+            exact, dense = (L - 1) * causal + at_chains, (L - 1) * causal_dense + at_chains_dense
+        else:
+            exact, dense = L * causal, L * causal_dense
         for s in range(1, drafter.cfg.ttt_steps):  # context mask + the chain's own key of each step 1..s
-            exact += sum(int(ctx.sum()) for *_, ctx in groups) + s * chain.numel()
-            dense += sum((n1 - n0) * ((hi - lo) + s * (n1 - n0)) for n0, n1, lo, hi, _ in groups)
-        L = len(drafter.layers)
-        return L * exact, L * exact, L * dense
+            exact += L * (at_chains + s * chain.numel())
+            dense += L * sum((n1 - n0) * ((hi - lo) + s * (n1 - n0)) for n0, n1, lo, hi, _ in groups)
+        return exact, exact, dense
     cfg, B, L = drafter.cfg, drafter.block_size, len(drafter.layers)
     anchors = drafter.select_anchors(batch, g)
     exact = int(anchor_block_mask(doc, anchors, B, cfg.sliding_window, cfg.causal_in_block).sum())
-    dense = _products(chunked.anchor_block_plan(doc, anchors, B, cfg.sliding_window, cfg.causal_in_block))
+    # The chunked plan as the step builds it: over the compacted context with compute='read'.
+    context = BlockContext.of(batch, anchors, cfg.sliding_window, read=drafter.compute == "read")
+    dense = _products(chunked.anchor_block_plan(context.document_ids_C, context.anchors_N, B, cfg.sliding_window,
+                                                cfg.causal_in_block))
     return L * exact, L * exact, L * dense
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark", "dflash2", "eagle3", "mtp"])
-def test_analytic_flops_match_the_counted_step(name, target):
+# MTP computes the same either way (trainer.compute).
+@pytest.mark.parametrize("name,compute", [(name, compute) for name in ("dflash", "dspark", "dflash2", "eagle3")
+                                          for compute in ("read", "all")] + [("mtp", "read")])
+def test_analytic_flops_match_the_counted_step(name, compute, target):
     info, head = target
     drafter = small_drafter(name, info)
+    drafter.compute = compute
     batch = mission_pack(info, drafter.feature_spec().layer_ids, PACK, torch.device("cpu")).to("cpu", torch.float32)
     flops = step_flops(drafter, pack_counts(drafter, batch, torch.Generator().manual_seed(SEED)))
     matmuls, with_attention = counted(drafter, batch, head, math=False), counted(drafter, batch, head, math=True)

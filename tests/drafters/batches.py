@@ -3,6 +3,7 @@
 import torch
 
 from specdistill.core.batch import PackedBatch
+from specdistill.core.contract import FeatureSample
 from specdistill.core.target import TargetInfo
 
 
@@ -18,6 +19,23 @@ def make_batch(info: TargetInfo, layer_ids, lengths=(20, 14), prompt=(8, 6), see
         layer_ids=tuple(layer_ids),
         row_ids=tuple(range(len(lengths))),
     )
+
+
+def make_samples(info: TargetInfo, layer_ids, lengths=(40, 36), response=(12, 10), seed=0) -> list[FeatureSample]:
+    """Rows as the feed delivers them (core/batch.py pack() lays them out): each a prompt, then `response` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [FeatureSample(row_id=i, input_ids_T=torch.randint(0, info.vocab_size, (n,), generator=g),
+                          loss_mask_T=torch.arange(n) >= n - r,
+                          hidden_TLD=torch.randn(n, len(layer_ids), info.hidden_size, generator=g))
+            for i, (n, r) in enumerate(zip(lengths, response))]
+
+
+def step_and_grads(drafter, head, batch, seed=0):
+    """One training step's output and the gradient of every parameter it reached (the drafter's are cleared first)."""
+    drafter.zero_grad(set_to_none=True)
+    out = drafter(batch, head, torch.Generator().manual_seed(seed))
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
 
 def small_drafter(name, tiny_llama_dir, tmp_path):

@@ -173,10 +173,10 @@ def test_loss_and_gradients_match_speculators(tiny_llama_dir, tmp_path):
 
 
 def test_target_side_computed_once_per_position_equals_recomputing_it_per_chain_step(tiny_llama_dir, monkeypatch):
-    """ChainTargets keeps the target's draft-vocab logits per scored position; over TARGET_LOGITS_BUDGET it hands
+    """DistinctTargets keeps the target's draft-vocab logits per scored position; over TARGET_LOGITS_BUDGET it hands
     chunked_loss the states to recompute them per chain step (the earlier path). Same loss, gradients and metrics;
     and the kept logits are computed for each distinct position once."""
-    import specdistill.drafters.eagle3 as eagle3
+    import specdistill.drafters.targets as targets
     from specdistill.kernels.logits import chunked as chunked_module
 
     info = TargetInfo.load(tiny_llama_dir)
@@ -187,8 +187,8 @@ def test_target_side_computed_once_per_position_equals_recomputing_it_per_chain_
     batch = make_batch(info, drafter.feature_spec().layer_ids)
     drafter.prepare([TokenizedRow(0, tuple(batch.input_ids_T.tolist()), tuple(batch.loss_mask_T.int().tolist()))])
     runs, real = {}, chunked_module._chunk_logits
-    for budget in (eagle3.TARGET_LOGITS_BUDGET, 0):
-        monkeypatch.setattr(eagle3, "TARGET_LOGITS_BUDGET", budget)
+    for budget in (targets.TARGET_LOGITS_BUDGET, 0):
+        monkeypatch.setattr(targets, "TARGET_LOGITS_BUDGET", budget)
         recomputed = []  # per chunk of logits: whether the target's were recomputed from its states
         monkeypatch.setattr(chunked_module, "_chunk_logits",
                             lambda *a, seen=recomputed: (seen.append(a[2] is not None), real(*a))[1])
@@ -210,8 +210,8 @@ def test_target_side_computed_once_per_position_equals_recomputing_it_per_chain_
     pairs = drafter.pairs(batch)
     pos_SK, valid_SK = drafter.chain_labels(batch, pairs)
     prev = pos_SK[valid_SK] - 1
-    targets = eagle3.ChainTargets(head, batch.layers([info.num_hidden_layers])[:, 0], prev, drafter.draft_ids)
-    assert targets.logits_UV.shape == (prev.unique().numel(), 64) and prev.numel() > 2 * prev.unique().numel()
+    distinct = targets.DistinctTargets(head, lambda p: drafter.last_layer_at(batch, p), prev, drafter.draft_ids)
+    assert distinct.logits_UV.shape == (prev.unique().numel(), 64) and prev.numel() > 2 * prev.unique().numel()
 
 
 # --- served by vLLM --------------------------------------------------------------------------------------------

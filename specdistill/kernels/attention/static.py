@@ -8,6 +8,9 @@ outputs and gradients are the unpadded plan's (tests/kernels/test_attention.py).
 
 Packed causal (EAGLE-3's pairs): the sequence is padded to `length` with one more document, which no real position
 attends to.
+
+A compacted context (DFlash's compute='read' keeps only the positions some window reaches): the plan is built over the
+context padded to the run's token budget with one more document, and zero keys and values fill that padding.
 """
 
 import torch
@@ -35,3 +38,20 @@ class PaddedQueries:
     def __call__(self, q_HQd, k_HKd, v_HKd, scale: float) -> torch.Tensor:
         pad = (0, 0, 0, self.padded - self.real)  # dim 1 (queries / keys) of [H, Q, d]
         return self.inner(F.pad(q_HQd, pad), F.pad(k_HKd, pad), F.pad(v_HKd, pad), scale)[: self.real]
+
+
+class PaddedContext:
+    """A plan built over `padded` context keys (the real ones, then a padding document no anchor belongs to) called
+    with `real` ones: zero keys and values are inserted after the real context, before the block keys. So a caller
+    that projects K/V only at the context positions it kept (DFlash's compute='read') gives a compiled kernel the
+    run's fixed context length; a padded key is in no anchor's document, so no query sees it."""
+
+    def __init__(self, inner, real: int, padded: int):
+        self.inner, self.real, self.padded = inner, real, padded
+
+    def __call__(self, q_HQd, k_HKd, v_HKd, scale: float) -> torch.Tensor:
+        def widen(x_HKd):
+            gap = x_HKd.new_zeros(x_HKd.shape[0], self.padded - self.real, x_HKd.shape[2])
+            return torch.cat([x_HKd[:, :self.real], gap, x_HKd[:, self.real:]], dim=1)
+
+        return self.inner(q_HQd, widen(k_HKd), widen(v_HKd), scale)
