@@ -1,9 +1,13 @@
 """Several drafters from one prefill (specdistill/trainer/entries.py): each gets what its solo run gets.
 
 With the same seed, rows, steps and threads (fp32 on CPU, the transformers backend), each drafter's weights after a
-shared run equal its solo run's, and so does its held-out tau; the shared run is resumed half way (one checkpoint
-holds both drafters). A drafter whose loss goes non-finite stops, recorded, while the other goes on."""
+shared run equal its solo run's bit for bit, and so does its held-out tau: every kind (DFlash, DSpark, DFlash 2 and
+EAGLE-3 on tiny-llama; MTP, which needs the target's MTP layer, on tiny-qwen3-next), with packs as they come and
+padded to the run's fixed shapes (trainer.pad_packs). The unpadded shared runs are stopped half way and resumed (one
+checkpoint holds every drafter), so each kind's resume is bit-identical to a run never stopped. A drafter whose loss
+goes non-finite stops, recorded, while the other goes on."""
 
+import functools
 import json
 from dataclasses import replace
 
@@ -23,21 +27,32 @@ from specdistill.trainer.trainer import Trainer
 
 DFLASH = {"drafter": "dflash", "num_layers": 1, "max_anchors": 16, "block_size": 4}
 EAGLE3 = {"drafter": "eagle3", "draft_vocab_size": 64}
+# Each target's shared run: MTP needs tiny-qwen3-next's MTP layer, beside a partner compared on tiny-llama.
+SHARED = {"tiny-llama": [DFLASH, {**DFLASH, "drafter": "dspark"}, {**DFLASH, "drafter": "dflash2", "selector_rank": 16},
+                         EAGLE3],
+          "tiny-qwen3-next": [{"drafter": "mtp", "num_speculative_tokens": 3, "max_anchors": 16}, DFLASH]}
+# kind -> the target of its solo run and of the shared run it is compared with
+COMPARED_ON = {"dflash": "tiny-llama", "dspark": "tiny-llama", "dflash2": "tiny-llama", "eagle3": "tiny-llama",
+               "mtp": "tiny-qwen3-next"}
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def data(tiny_target, cache_dir):
-    target = tiny_target("tiny-llama")
-    train, heldout = resolve_data(DataConfig(rows=16, heldout_rows=3, prompt_tokens=60, max_new_tokens=12), target,
-                                  cache_dir)
-    return target, train, heldout
+    """data(target name) -> (checkpoint, training rows, held-out rows), built on first use."""
+    @functools.cache
+    def get(name: str):
+        target = tiny_target(name)
+        return target, *resolve_data(DataConfig(rows=16, heldout_rows=3, prompt_tokens=60, max_new_tokens=12), target,
+                                     cache_dir)
+
+    return get
 
 
-def _run(data, run_dir, entries, steps=STEPS):
+def _run(data, run_dir, entries, steps=STEPS, pad=False):
     target, train, heldout = data
     cfg = TrainerConfig(max_steps=steps, ranks=1, device="cpu", threads=1, token_budget=256, progress=False,
-                        checkpoint_every=2, eval_every=0, eval_rows=2, probe_rows=0)
+                        checkpoint_every=2, eval_every=0, eval_rows=2, probe_rows=0, pad_packs=pad)
     run_dir.mkdir(parents=True, exist_ok=True)
     # drafter_cfg is the `drafter` group's: unused when entries are given
     trainer = Trainer(drafter_config("dflash"), cfg, FeatureServerConfig(workers=1), run_dir, target, train, heldout,
@@ -49,33 +64,63 @@ def _weights(run_dir, name):
     return read_checkpoint(RunDir(run_dir).latest_checkpoint())["drafters"][name]["drafter"]
 
 
+class Runs:
+    """A module's runs with packs padded or not, each made on first use (so a test waits only for its own): each
+    target's shared run, stopped half way and resumed when unpadded, and each kind's solo run; (run dir, metrics)."""
+
+    def __init__(self, data, root, pad: bool):
+        self.data, self.root, self.pad = data, root, pad
+
+    @functools.cache
+    def shared(self, target: str):
+        run_dir, entries = self.root / target, SHARED[target]
+        if not self.pad:
+            _run(self.data(target), run_dir, entries, steps=STEPS // 2)
+        return run_dir, _run(self.data(target), run_dir, entries, pad=self.pad)
+
+    @functools.cache
+    def solo(self, kind: str):
+        entry = next(e for e in SHARED[COMPARED_ON[kind]] if e["drafter"] == kind)
+        return self.root / kind, _run(self.data(COMPARED_ON[kind]), self.root / kind, [entry], pad=self.pad)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["unpadded", "padded"])
+def runs(request, data, tmp_path_factory):
+    return Runs(data, tmp_path_factory.mktemp("padded" if request.param else "unpadded"), request.param)
+
+
 @pytest.mark.slow
-def test_each_drafter_of_a_shared_run_trains_as_its_solo_run(data, tmp_path):
-    solo = {name: _run(data, tmp_path / name, [entry]) for name, entry in (("dflash", DFLASH), ("eagle3", EAGLE3))}
-    _run(data, tmp_path / "shared", [DFLASH, EAGLE3], steps=STEPS // 2)  # stopped half way, then resumed
-    shared = _run(data, tmp_path / "shared", [DFLASH, EAGLE3])
-    assert sorted(p.name for p in (tmp_path / "shared" / "export").iterdir()) == ["dflash", "eagle3"]
-    for name in ("dflash", "eagle3"):
-        ours, theirs = _weights(tmp_path / "shared", name), _weights(tmp_path / name, name)
-        assert ours.keys() == theirs.keys()
-        diff = max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours)
-        assert diff <= 1e-6, (name, diff)
-        mine, alone = shared["drafters"][name], solo[name]["drafters"][name]
-        assert mine["steps"] == alone["steps"] == STEPS and mine["stopped_early"] is None
-        assert mine["tau_offline"] == alone["tau_offline"]
-        assert mine["per_position_acceptance"] == alone["per_position_acceptance"]
+@pytest.mark.parametrize("kind", COMPARED_ON)
+def test_each_drafter_of_a_shared_run_trains_as_its_solo_run(runs, kind):
+    (shared_dir, metrics), (solo_dir, alone) = runs.shared(COMPARED_ON[kind]), runs.solo(kind)
+    ours, theirs = _weights(shared_dir, kind), _weights(solo_dir, kind)
+    assert ours.keys() == theirs.keys()
+    differ = {k: float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours
+              if not torch.equal(ours[k], theirs[k])}
+    assert not differ, differ  # bit for bit
+    mine, alone = metrics["drafters"][kind], alone["drafters"][kind]
+    assert mine["steps"] == alone["steps"] == STEPS and mine["stopped_early"] is None
+    assert mine["tau_offline"] == alone["tau_offline"]
+    assert mine["per_position_acceptance"] == alone["per_position_acceptance"]
+
+
+@pytest.mark.slow
+def test_a_shared_run_prefills_once_and_reports_each_drafter(runs):
+    shared_dir, metrics = runs.shared("tiny-llama")
+    names = [e["drafter"] for e in SHARED["tiny-llama"]]
+    assert sorted(p.name for p in (shared_dir / "export").iterdir()) == sorted(names)
     # Once for the run: the prefill (every row once, whatever the drafters), and the baselines beside them.
-    assert shared["target_tokens_prefilled"] > 0 and shared["baselines"]["bigram"]["tau"] >= 1
-    # Each drafter beside baselines that draft as many tokens (DFlash's blocks of 4: K 3; EAGLE-3: K 7); the run's
-    # at the largest K.
-    Ks = {name: shared["drafters"][name]["baselines"]["ngram"]["K"] for name in ("dflash", "eagle3")}
-    assert Ks == {"dflash": 3, "eagle3": 7} and shared["baselines"]["ngram"]["K"] == 7
-    assert json.loads((tmp_path / "shared" / "metrics.json").read_text())["drafters"].keys() == {"dflash", "eagle3"}
+    assert metrics["target_tokens_prefilled"] > 0 and metrics["baselines"]["bigram"]["tau"] >= 1
+    # Each drafter beside baselines that draft as many tokens (blocks of 4: DFlash's and DFlash 2's K 3, DSpark's 4
+    # as it drafts from the anchor too; EAGLE-3: K 7); the run's at the largest K.
+    Ks = {name: metrics["drafters"][name]["baselines"]["ngram"]["K"] for name in names}
+    assert Ks == {"dflash": 3, "dspark": 4, "dflash2": 3, "eagle3": 7} and metrics["baselines"]["ngram"]["K"] == 7
+    assert json.loads((shared_dir / "metrics.json").read_text())["drafters"].keys() == set(names)
 
 
 @pytest.mark.slow
 def test_a_drafter_whose_loss_goes_non_finite_stops_and_the_others_go_on(data, tmp_path):
-    target, train, heldout = data
+    target, train, heldout = data("tiny-llama")
     cfg = TrainerConfig(max_steps=4, ranks=1, device="cpu", threads=1, token_budget=1024, progress=False)
     trainer = Trainer(drafter_config("dflash"), cfg, FeatureServerConfig(workers=1), tmp_path, target, train, heldout,
                       entries=[DFLASH, EAGLE3])

@@ -17,7 +17,11 @@ Where the prompt is not a prefix of the full rendering:
   - as tokens only (a token straddles the boundary, so the tokenizer merges across it): the prompt stays what the
     server feeds, and the response is the rest of the full text tokenized as a continuation (what the target's own
     tokens decode to); counted as `retokenized` (meta.json of the token store).
-A full rendering with no stop token after the prompt is a `ChatError` too (the target could never end the turn).
+A template that writes nothing after an assistant message (GLM) ends the turn by the next message's header: the
+target stops by emitting it (<|user|>, <|observation|>: stop tokens in its generation_config.json). The response then
+ends with that header: the one the template renders for the message after the turn or, after a conversation's last
+turn, for the message that would come (a tool result after a turn that calls tools, else a user message). A header
+that is not a stop token, or a rendering with neither, is a `ChatError` (the target could never end the turn).
 
 Stop tokens, the one source for training, regeneration, the synthetic/corpus workloads and the benches
 (`ChatFormat.stop_ids`): the tokenizer's eos, generation_config.json's eos_token_id(s), and the template's end of turn
@@ -160,14 +164,60 @@ class ChatFormat:
             raise ChatError(f"messages[{k}]", "the chat template's prompt for this turn (generation prompt included) "
                             "is not a prefix of its rendering of the finished turn, so the turn cannot be trained as "
                             f"served: {_divergence(prompt_text, full_text)}")
+        turn = self._through_stop(prompt_text, full_text)
+        if turn is None:  # no end of turn written: the target ends the turn by emitting the next role's header
+            turn = self._through_stop(prompt_text, full_text + self._next_header(messages, k, tools, full_text))
+        return turn
+
+    def _through_stop(self, prompt_text: str, full_text: str) -> Turn | None:
+        """The turn's prompt and its response up to and including the first stop token; None when it has none."""
         prompt, full = self.encode(prompt_text), self.encode(full_text)
         retokenized = full[:len(prompt)] != prompt
         rest = self._continuation(full_text[len(prompt_text):]) if retokenized else full[len(prompt):]
         stop = next((i for i, t in enumerate(rest) if t in self.stop_ids), None)
-        if stop is None:
-            raise ChatError(f"messages[{k}]", "the chat template renders no stop token after this assistant turn "
-                            f"(stop tokens: {self.stop_names()}), so the target could never end it")
-        return Turn(prompt, rest[:stop + 1], retokenized)
+        return None if stop is None else Turn(prompt, rest[:stop + 1], retokenized)
+
+    def _next_header(self, messages: list[dict], k: int, tools: list | None, full_text: str) -> str:
+        """The text the template renders after assistant turn k through the next message's header (its first
+        special token), for a template that writes no end of turn (GLM): after the message that follows the turn,
+        or after the conversation's last turn, the message that would (a tool result after a turn that calls tools,
+        else a user message). ChatError where that header is not a stop token."""
+        last = k + 1 == len(messages)
+        following = self._reply_to(messages[k]) if last else messages[k + 1]
+        tail = self._rendered_after(messages[:k], messages[k], full_text, following, tools)
+        header = next((t for t in self.encode(tail) if t in self.special), None)
+        if header is None or header not in self.stop_ids:
+            found = ("renders no special token" if header is None else
+                     f"opens with {self.tokenizer.convert_ids_to_tokens(header)!r}, which is not a stop token either")
+            raise ChatError(f"messages[{k}]", "the chat template renders no stop token after this assistant turn, "
+                            f"and the {following['role']} message {'that would follow' if last else 'after'} it "
+                            f"{found} (stop tokens: {self.stop_names()}), so the target could never end the turn; "
+                            "if the target stops on that header, add its id to generation_config.json's eos_token_id")
+        name = self.tokenizer.convert_ids_to_tokens(header)
+        return tail[:tail.index(name) + len(name)]
+
+    def _reply_to(self, turn: dict) -> dict:
+        """The message that comes after an assistant turn: its tool's result where it calls one, else the user's."""
+        return self.normalise([{"role": "tool" if turn.get("tool_calls") else "user", "content": _PROBE}])[0]
+
+    def _rendered_after(self, history: list[dict], turn: dict, turn_text: str, following: dict,
+                        tools: list | None) -> str:
+        """What the template renders between `turn` (the last message of `turn_text`) and the end of `following`.
+        A template that renders a turn otherwise once a message follows it (GLM-4.5 drops the reasoning of a turn
+        before the last user message) is asked after a plain turn with the same tool calls instead: what it renders
+        after a turn is the next message's, not the turn's own."""
+        after = self.render([*history, turn, following], tools, generation_prompt=False)
+        if after.startswith(turn_text):
+            return after[len(turn_text):]
+        plain = self.normalise([{"role": "assistant", "content": _PROBE,
+                                 **({"tool_calls": turn["tool_calls"]} if turn.get("tool_calls") else {})}])[0]
+        plain_text = self.render([*history, plain], tools, generation_prompt=False)
+        after = self.render([*history, plain, following], tools, generation_prompt=False)
+        if after.startswith(plain_text):
+            return after[len(plain_text):]
+        raise ChatError(f"messages[{len(history)}]", "the chat template renders no stop token after this assistant "
+                        "turn, and renders the turn otherwise once a message follows it, so the header that ends "
+                        "it cannot be found")
 
     def _continuation(self, text: str) -> list[int]:
         """`text` tokenized as a continuation: after a special token, so that a sentencepiece-style tokenizer adds

@@ -124,9 +124,12 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
 
     def transition_scores(self, hidden_MD, prev_M, candidates_MC) -> torch.Tensor:
-        context_Mr = self.predecessor_codebook[prev_M] * self.hidden_projection(hidden_MD).to(
+        # F.embedding, not codebook[ids]: on CPU with several threads the backward of indexing accumulates rows that
+        # share a token id with atomic adds, in an order that varies run to run (index_put_ with accumulate);
+        # embedding's backward sums each row's gradients in a fixed order, so a seed gives the same drafter.
+        context_Mr = F.embedding(prev_M, self.predecessor_codebook) * self.hidden_projection(hidden_MD).to(
             self.predecessor_codebook.dtype)
-        return (context_Mr[:, None] * self.successor_codebook[candidates_MC]).sum(-1)
+        return (context_Mr[:, None] * F.embedding(candidates_MC, self.successor_codebook)).sum(-1)
 
 
 def selector_training_candidates(candidates_MC: torch.Tensor, target_M: torch.Tensor):

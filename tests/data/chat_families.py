@@ -1,4 +1,4 @@
-"""Tokenizers of five chat-template families, built locally (no download): each a small BPE trained here plus the
+"""Tokenizers of seven chat-template families, built locally (no download): each a small BPE trained here plus the
 family's special tokens, its published chat template, its tokenizer_config.json settings (bos, eos) and its
 generation_config.json eos ids, in the published formats of:
 
@@ -10,6 +10,9 @@ generation_config.json eos ids, in the published formats of:
             its template is left out, the rest is the template transformers' converter writes)
   deepseek  deepseek-ai/DeepSeek-R1-Distill-Qwen-32B (its generation prompt opens <think>, which its rendering of a
             finished turn drops: the case specdistill/data/chat.py refuses, naming the row)
+  glm       zai-org/GLM-4.5 (role headers <|user|>, <|assistant|>, <|observation|> and nothing after an assistant
+            message: the target ends a turn by emitting the next header, a stop id of its generation_config.json;
+            a turn's reasoning is dropped once a user message follows; XML-style tool calls)
 
 `STOP[family]` is the family's published stop tokens (generation_config.json eos), written out here so tests compare
 against them rather than against what specdistill derives. `tiny_target` adds a small Llama fitted to a set of
@@ -437,6 +440,110 @@ DEEPSEEK_R1 = (
     "content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if add_generation_prompt and not "
     "ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}")
 
+GLM = """[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+<arg_key>{arg-key-2}</arg_key>
+<arg_value>{arg-value-2}</arg_value>
+...
+</tool_call>{%- endif -%}
+{%- macro visible_text(content) -%}
+    {%- if content is string -%}
+        {{- content }}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for item in content -%}
+            {%- if item is mapping and item.type == 'text' -%}
+                {{- item.text }}
+            {%- elif item is string -%}
+                {{- item }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{- content }}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(last_user_index=-1) %}
+{%- for m in messages %}
+    {%- if m.role == 'user' %}
+        {% set ns.last_user_index = loop.index0 -%}
+    {%- endif %}
+{%- endfor %}
+{% for m in messages %}
+{%- if m.role == 'user' -%}<|user|>
+{% set content = visible_text(m.content) %}{{ content }}
+{{- '/nothink' if (enable_thinking is defined and not enable_thinking and not content.endswith("/nothink")) else '' -}}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{%- set reasoning_content = '' %}
+{%- set content = visible_text(m.content) %}
+{%- if m.reasoning_content is string %}
+    {%- set reasoning_content = m.reasoning_content %}
+{%- else %}
+    {%- if '</think>' in content %}
+        {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+        {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+    {%- endif %}
+{%- endif %}
+{%- if loop.index0 > ns.last_user_index and reasoning_content -%}
+{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}
+{%- else -%}
+{{ '\\n<think></think>' }}
+{%- endif -%}
+{%- if content.strip() -%}
+{{ '\\n' + content.strip() }}
+{%- endif -%}
+{% if m.tool_calls %}
+{% for tc in m.tool_calls %}
+{%- if tc.function %}
+    {%- set tc = tc.function %}
+{%- endif %}
+{{ '\\n<tool_call>' + tc.name }}
+{% set _args = tc.arguments %}
+{% for k, v in _args.items() %}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor %}
+</tool_call>{% endfor %}
+{% endif %}
+{%- elif m.role == 'tool' -%}
+{%- if m.content is string -%}
+{%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+    {{- '<|observation|>' }}
+{%- endif %}
+{{- '\\n<tool_response>\\n' }}
+{{- m.content }}
+{{- '\\n</tool_response>' }}
+{%- else -%}
+<|observation|>{% for tr in m.content %}
+
+<tool_response>
+{{ tr.output if tr.output is defined else tr }}
+</tool_response>{% endfor -%}
+{% endif -%}
+{%- elif m.role == 'system' -%}
+<|system|>
+{{ visible_text(m.content) }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    <|assistant|>{{- '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}
+{%- endif -%}"""
+
 # family -> (template, special tokens (the first ones in this order get ids 0, 1, ...), bos, eos, pad,
 #            sentencepiece-style, non-special added tokens, generation_config eos)
 FAMILIES = {
@@ -455,10 +562,17 @@ FAMILIES = {
     "deepseek": (DEEPSEEK_R1, ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                                "<｜tool▁outputs▁end｜>"], "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
                  "<｜end▁of▁sentence｜>", False, ["<think>", "</think>"], ["<｜end▁of▁sentence｜>"]),
+    "glm": (GLM, ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|observation|>"], None, "<|endoftext|>", "<|endoftext|>", False,
+            ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+             "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink"],
+            ["<|endoftext|>", "<|user|>", "<|observation|>"]),
 }
 # The token that ends an assistant turn of plain text, per family (what the target emits last).
+# GLM writes none: its target stops by emitting the next message's header, a user's after a plain text turn.
 END_OF_TURN = {"qwen3": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "llama2": "</s>",
-               "gpt-oss": "<|return|>", "deepseek": "<｜end▁of▁sentence｜>"}
+               "gpt-oss": "<|return|>", "deepseek": "<｜end▁of▁sentence｜>", "glm": "<|user|>"}
+ENDS_BY_NEXT_HEADER = {"glm"}  # families whose rendering of a finished turn has no end-of-turn token
 STOP = {name: set(spec[7]) | {END_OF_TURN[name]} for name, spec in FAMILIES.items()}
 CORPUS = ("The quick brown fox jumps over the lazy dog. Find red trail shoes under $120, sorted by price; "
           'JSON: {"name": "search", "arguments": {"query": "tents", "max": 3}} [INST] <<SYS>> 0123456789 '

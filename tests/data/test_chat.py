@@ -1,8 +1,8 @@
-"""Trained turns from the target's own chat template (specdistill/data/chat.py, formats.py), in five template families
+"""Trained turns from the target's own chat template (specdistill/data/chat.py, formats.py), in six template families
 built locally (tests/data/chat_families.py): for every assistant turn of a multi-turn conversation, the prompt is what
 a chat server feeds the target and the response is what the target generates - a tiny target fitted to the family's
 turns, generating greedily from the served prompt with the stop tokens specdistill derives, emits exactly the trained
-tokens and ends on the family's published stop token."""
+tokens and ends on the family's published stop token (GLM's: the next message's header)."""
 
 import json
 
@@ -13,10 +13,10 @@ from specdistill.data.config import DataConfig
 from specdistill.data.formats import DatasetError, load_rows
 from specdistill.data.generate import GenerationSettings, respond
 from specdistill.launch.regenerate import parse, run
-from tests.data.chat_families import END_OF_TURN, STOP, build_tokenizer, tiny_target
+from tests.data.chat_families import END_OF_TURN, ENDS_BY_NEXT_HEADER, STOP, build_tokenizer, tiny_target
 from tests.files import write_jsonl
 
-FAMILIES = ("qwen3", "llama3", "gemma", "llama2", "gpt-oss")
+FAMILIES = ("qwen3", "llama3", "gemma", "llama2", "gpt-oss", "glm")
 SYSTEM = {"role": "system", "content": "Return JSON for the shop's search API."}
 # Template variables per family (data.chat_template_kwargs): gpt-oss's model identity, shorter than its default.
 KWARGS = {"gpt-oss": {"model_identity": "Shop bot."}}
@@ -29,7 +29,7 @@ def conversations(family: str) -> list[list[dict]]:
     def assistant(text, **extra):
         return {"role": "assistant", "content": text, **extra}
 
-    think = {"qwen3": "reasoning_content", "gpt-oss": "thinking"}.get(family)
+    think = {"qwen3": "reasoning_content", "gpt-oss": "thinking", "glm": "reasoning_content"}.get(family)
     extra = {think: "The user wants shoes."} if think else {}
     convs = [[user("find red trail shoes"), assistant('{"query": "red trail shoes"}', **extra),
               user("cheaper please"), assistant('{"query": "red trail shoes", "max": 60}'),
@@ -79,10 +79,12 @@ def test_trained_turns_are_what_the_target_generates(family, family_dirs, tmp_pa
         assert conv[k]["content"] in tok.decode(response)
         prompts.append(prompt)
         responses.append(response)
-    # A target fitted to the family's turns (each turn's full rendering, text after its stop token included),
-    # generating from the served prompt with the derived stop tokens: token for token the trained response.
-    full = [tok(tok.apply_chat_template(c[:k + 1], tokenize=False, **kwargs), add_special_tokens=False)["input_ids"]
-            for c, k in turns]
+    # A target fitted to the family's turns (each turn's full rendering, text after its stop token included; GLM's
+    # followed by the user header that comes next), generating from the served prompt with the derived stop tokens:
+    # token for token the trained response.
+    ended = END_OF_TURN[family] if family in ENDS_BY_NEXT_HEADER else ""
+    full = [tok(tok.apply_chat_template(c[:k + 1], tokenize=False, **kwargs) + ended, add_special_tokens=False)[
+        "input_ids"] for c, k in turns]
     target = tiny_target(tok_dir, [(f, len(p)) for f, p in zip(full, prompts)])
     generated = respond(target, prompts, GenerationSettings(max_new_tokens=max(map(len, responses)) + 8),
                         sorted(chat.stop_ids), backend="hf")
@@ -114,7 +116,8 @@ def test_qwen3_enable_thinking_false_puts_the_empty_think_block_in_the_prompt(fa
     assert split(default[0])[1] == '<think>\n\n</think>\n\n{"query": "tent", "people": 2}<|im_end|>'
 
 
-@pytest.mark.parametrize("family, reasoning", [("qwen3", "reasoning_content"), ("gpt-oss", "thinking")])
+@pytest.mark.parametrize("family, reasoning", [("qwen3", "reasoning_content"), ("gpt-oss", "thinking"),
+                                               ("glm", "reasoning_content")])
 def test_earlier_reasoning_is_dropped_from_later_prompts_as_served(family, reasoning, family_dirs, tmp_path):
     conv = conversations(family)[0]
     chat = ChatFormat.load(family_dirs[family])
@@ -139,7 +142,9 @@ TOOL_CONV = [{"role": "user", "content": "find tents"},
 
 @pytest.mark.parametrize("family, call", [
     ("qwen3", '<tool_call>\n{"name": "search", "arguments": {"query": "tents"}}\n</tool_call><|im_end|>'),
-    ("llama3", '{"name": "search", "parameters": {"query": "tents"}}<|eot_id|>')])
+    ("llama3", '{"name": "search", "parameters": {"query": "tents"}}<|eot_id|>'),
+    ("glm", "\n<think></think>\n<tool_call>search\n<arg_key>query</arg_key>\n<arg_value>tents</arg_value>\n</tool_call>"
+            "<|observation|>")])
 def test_tool_calls_tool_results_and_tool_schemas_go_through_the_template(family, call, family_dirs, tmp_path):
     path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": TOOL_CONV, "tools": TOOLS}])
     chat = ChatFormat.load(family_dirs[family], {"enable_thinking": False} if family == "qwen3" else {})
@@ -151,6 +156,24 @@ def test_tool_calls_tool_results_and_tool_schemas_go_through_the_template(family
     # the tool result (list content, joined as vLLM joins it) is in the final turn's prompt (Llama 3.1's template
     # writes a tool result through tojson)
     assert "hits" in tok.decode(rows[1].input_ids[:rows[1].loss_mask.index(1)])
+
+
+def test_a_template_that_writes_no_end_of_turn_trains_the_header_that_ends_it(family_dirs, tmp_path):
+    """GLM writes nothing after an assistant message: its target stops by emitting the next message's header, a stop
+    id of its generation_config.json. A turn that calls a tool ends with <|observation|>, where the conversation goes
+    on with the result and where it ends with the call; without the header among the stop tokens the row is refused,
+    naming it."""
+    chat = ChatFormat.load(family_dirs["glm"])
+    tok = chat.tokenizer
+    msgs = chat.normalise(TOOL_CONV)
+    last = chat.turn(msgs[:2], 1, TOOLS)  # the conversation ends with the call: its result is what would follow
+    assert last == chat.turn(msgs, 1, TOOLS) and tok.convert_ids_to_tokens(last.response[-1]) == "<|observation|>"
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversations("glm")[1]}])
+    without = ChatFormat(tok, eos_ids=[tok.eos_token_id])  # a generation_config.json that lists <|endoftext|> only
+    with pytest.raises(DatasetError, match=r"line 1 \(row 0\), field 'messages\[2\]': the chat template renders no "
+                                           r"stop token .* the user message after it opens with '<\|user\|>', which "
+                                           r"is not a stop token either .* generation_config.json's eos_token_id"):
+        load_rows(path, without, 10**6)
 
 
 def test_list_content_is_joined_for_string_templates_and_kept_for_part_templates(family_dirs):

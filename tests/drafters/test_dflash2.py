@@ -9,8 +9,8 @@ import torch
 from bench.speculators_reference import all_anchors, load_reference
 from specdistill.core.target import TargetHead, TargetInfo
 from specdistill.drafters.dflash import DFlashDrafter
-from specdistill.drafters.dflash2 import (DFlash2Config, DFlash2Drafter, GroupedDynamicCausalConv, chunked_topk,
-                              grouped_dynamic_conv, selector_training_candidates)
+from specdistill.drafters.dflash2 import (CandidateSelector, DFlash2Config, DFlash2Drafter, GroupedDynamicCausalConv,
+                                         chunked_topk, grouped_dynamic_conv, selector_training_candidates)
 from tests.drafters.batches import make_batch
 from tests.drafters.learnable import make_learnable, train_losses
 from tests.drafters.parity import assert_same_loss_and_gradients, block_reference_inputs
@@ -98,6 +98,29 @@ def test_propose_is_the_selectors_greedy_walk(tiny_llama_dir):
     with torch.no_grad():
         scores = drafter.selector_scores(hidden, prev, candidates, head)
     assert torch.equal(candidates.gather(1, scores.argmax(-1, keepdim=True))[:, 0], drafts[0])
+
+
+def test_selector_gradients_are_the_same_run_to_run_on_several_threads():
+    """The codebooks' gradients sum the rows that share a token id. Indexing (codebook[ids]) sums them on CPU with
+    atomic adds from each thread in whatever order the threads run (index_put_ with accumulate, 2 threads or more,
+    32k elements or more), which left two dflash2 runs of one seed 6.4e-7 apart (docs/launching.md); F.embedding's
+    backward sums each token's rows in one order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        selector = CandidateSelector(vocab_size=64, hidden=32, rank=256, top_k=16)
+        hidden = torch.randn(1024, 32)
+        prev, candidates = torch.randint(0, 4, (1024,)), torch.randint(0, 4, (1024, 16))  # ids shared by many rows
+        weight = torch.randn(1024, 16)
+        grads = []
+        for _ in range(10):
+            selector.zero_grad()
+            (selector.transition_scores(hidden, prev, candidates) * weight).sum().backward()
+            grads.append([p.grad.clone() for p in (selector.predecessor_codebook, selector.successor_codebook)])
+        assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(g, grads[0]))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_training_step_learns(tiny_llama_dir):
