@@ -76,7 +76,7 @@ def evaluate_run(run_dir: Path, rows_path: Path, target_dir: Path | None, temper
         raise ValueError(f"{rows_path}: no usable rows ({skips.summary()})")
     spec = drafter.feature_spec()
     with FeatureServer(str(target_dir), spec, rows, FeatureServerConfig(workers=1)) as server:
-        report = evaluate_as_served(drafter, head, server, spec.layer_ids, torch.device("cpu"),
+        report = evaluate_as_served(drafter, head, server, spec, torch.device("cpu"),
                                     stages=stages, temperature=temperature,
                                     draft_mode=draft_mode, seed=seed, max_generated=max_tokens)
     return name or drafter.name, report

@@ -1,6 +1,6 @@
 """Drafter train steps at production shapes (not a test): `python bench/drafter_steps.py [--device cuda]
-[--drafters mtp,eagle3,...] [--pack 32768] [--response-tokens 45] [--steps 5] [--fed [--workers 3]] [--small]
-[--compute read|all]`.
+[--drafters mtp,eagle3,dflash+dflash2,...] [--pack 32768] [--response-tokens 45] [--steps 5] [--fed [--workers 3]
+[--positions read|all]] [--small] [--compute read|all]`.
 
 The target is Qwen3.5-35B-A3B's text geometry (hidden 2048, 40 layers = 30 gated-DeltaNet + 10 full attention,
 vocabulary 248,320, 16 query / 2 KV heads of 256, MoE of 256 experts top-8 of width 512 + a shared expert of 512, one
@@ -15,7 +15,10 @@ Two ways to feed the step, per drafter:
   states into the real shared-memory rings; the trainer's FeatureFeed plans packs, copies each sample once into its
   pack's buffer (pinned on CUDA) and issues the copy to the device on a side stream; the step waits on it and casts
   on the device. Rows are mission-shaped and vary in length (4.0k-6.7k tokens at the 32k pack, responses of 30-60),
-  so packs and anchor counts vary as a run's do, padded to the run's fixed shapes on CUDA (core/shapes.py).
+  so packs and anchor counts vary as a run's do, padded to the run's fixed shapes on CUDA (core/shapes.py). The
+  workers ship what the drafters read (`--positions read`, the default: feature_server.positions) or every position
+  (`all`), and the planner packs by what ships (docs/scaling.md, "What ships"). A `+`-joined group
+  (`dflash+dflash2`) is several drafters of one run: fed only, each steps in turn on the same packs.
 Every drafter runs with its production defaults (conf/drafter/*.yaml = the config dataclasses) and a step is the
 trainer's (specdistill/trainer/trainer.py `_step`): the pack cast to fp32 on the device, bf16 autocast over fp32
 master weights, forward + loss + backward, gradient clip, Muon + AdamW step (specdistill/trainer/optim.py), zero_grad.
@@ -25,6 +28,9 @@ Per drafter (after `--warmup` steps, which include flex attention's compilation)
   {name}_fed_step_ms, {name}_fed_tokens_per_s   fed: the same, real (unpadded) tokens per second
   {name}_fed_vs_fixed                       fed / fixed step time (goal on a GPU: <= 1.1)
   {name}_fed_wait_fraction                  the fed steps' share spent waiting for the feed (0: supply >= demand)
+  {name}_fed_response_tokens_per_s          response tokens trained per second of fed steps (every drafter of a group)
+  {name}_fed_bytes_per_response_token       target-state bytes the workers shipped per response token
+  {name}_fed_rows_per_pack, _fed_anchors_per_pack   rows per fed pack; anchor blocks scored per pack (first drafter)
   {name}_compiled_shapes                    attention shapes the drafter's steps gave (core/shapes.py)
   {name}_peak_gib                           peak CUDA memory of a fixed step (0 on CPU)
   {name}_model_tflop                        the step's work by bench/step_flops.py's analytic count (real tokens)
@@ -60,8 +66,10 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from specdistill.core.batch import PackedBatch  # noqa: E402
-from specdistill.core.contract import TokenizedRow  # noqa: E402
+from specdistill.core.batch import PackedBatch, shipped_tokens  # noqa: E402
+from specdistill.core.contract import FeatureSpec, TokenizedRow  # noqa: E402
+from specdistill.core.rows import as_rows  # noqa: E402
+from specdistill.data.packing import plan_packs  # noqa: E402
 from specdistill.core.shapes import StaticShapes  # noqa: E402
 from specdistill.core.target import TargetHead, TargetInfo  # noqa: E402
 from specdistill.drafters import DRAFTERS, drafter_config  # noqa: E402
@@ -232,7 +240,7 @@ def bench_drafter(name: str, info: TargetInfo, head: TargetHead, args, device, t
            "counted_tflop": counted / 1e12, "warmup_s": warmup_s, "trainable_params_m": params / 1e6}
     del batch
     if args.fed:
-        out.update(bench_fed(drafter, step, static, args, device, target_dir))
+        out.update(bench_fed([drafter], [step], static, args, device, target_dir))
     out["compiled_shapes"] = static.count
     del drafter, step
     if device.type == "cuda":
@@ -253,27 +261,44 @@ def mission_rows(n: int, pack_tokens: int, seed: int = 0) -> list[TokenizedRow]:
     return rows
 
 
-def bench_fed(drafter, step, static: StaticShapes, args, device, target_dir: Path) -> dict:
+def fed_rows(spec: FeatureSpec, packs: int, pack_tokens: int) -> list[TokenizedRow]:
+    """Mission rows enough for `packs` planned packs of what `spec` ships (+15%)."""
+    n = int(packs * ROWS_PER_PACK * 1.15)
+    while True:
+        rows = mission_rows(n, pack_tokens, seed=1)
+        if len(plan_packs(shipped_tokens(as_rows(rows), spec), pack_tokens)) > packs:
+            return rows
+        n *= 2
+
+
+def bench_fed(drafters: list, steps: list, static: StaticShapes, args, device, target_dir: Path) -> dict:
     """The step as a run feeds it: synthetic producers (feature_server.backend=synthetic, one copy of each row's
     bf16 states into their shared-memory rings, as vLLM's hand-off makes) -> the trainer's FeatureFeed (planned
     packs, each sample copied once into its pack's buffer: pinned on CUDA) -> the side-stream copy to the device ->
-    the cast there -> the step. Rows vary in length, so packs and anchor counts vary as a run's do."""
-    spec = replace(drafter.feature_spec(), hidden_dtype="bfloat16")
-    pack_bytes = args.pack * len(spec.layer_ids) * drafter.target.hidden_size * 2
+    the cast there -> the step of each drafter in turn. Rows vary in length, so packs and anchor counts vary as a
+    run's do. The workers ship what the drafters read (args.positions), as a run's do."""
+    spec = FeatureSpec.union([d.feature_spec() for d in drafters], "bfloat16", args.positions)
+    info = drafters[0].target
+    pack_bytes = args.pack * len(spec.layer_ids) * info.hidden_size * 2
     workers = args.workers
     config = FeatureServerConfig(backend="synthetic", workers=workers, batch_tokens=args.pack,
                                  capacity_mb=workers * 2 * -(-pack_bytes // 2**20) + 64)  # 2 packs per ring
-    packs = args.warmup + args.steps + 2
-    rows = mission_rows(int(packs * ROWS_PER_PACK * 1.15), args.pack, seed=1)
+    rows = fed_rows(spec, args.warmup + args.steps + 2, args.pack)
     copier = DeviceCopier(device) if device.type == "cuda" else None
 
     def server():
         return FeatureServer(str(target_dir), spec, None, config, devices=["cpu"] * workers,
-                             max_row_tokens=args.pack, shm_prefix=f"specdistill_bench_{os.getpid()}")
+                             max_row_tokens=max(r.num_tokens for r in rows),
+                             shm_prefix=f"specdistill_bench_{os.getpid()}")
 
     waits: list[float] = []
-    real: list[int] = []
-    with FeatureFeed(server, rows, token_budget=args.pack, layer_ids=spec.layer_ids, grad_accum=1, prefetch=2,
+    packs: list[PackedBatch] = []
+
+    def step_all(item):
+        micro = on_device(item, device, torch.float32)  # cast once, every drafter reads it (trainer.StepPacks)
+        return [step(micro) for step in steps]
+
+    with FeatureFeed(server, rows, token_budget=args.pack, spec=spec, grad_accum=1, prefetch=2,
                      max_epochs=1000, pad_to=args.pack if static.pad else None, copier=copier) as feed:
         def next_pack():
             t = time.perf_counter()
@@ -281,17 +306,51 @@ def bench_fed(drafter, step, static: StaticShapes, args, device, target_dir: Pat
             while isinstance(item, EpochEnd):
                 item = feed.next()
             waits.append(time.perf_counter() - t)
-            real.append(item[0].batch.num_real_tokens if copier else item[0].num_real_tokens)
+            packs.append(item[0].batch if copier else item[0])
             return item[0]
 
-        timed(step, [next_pack] * args.warmup, device)  # the engines start, shapes compile
-        waits.clear(), real.clear()
-        times, flops = timed(step, [next_pack] * args.steps, device, drafter)
+        timed(step_all, [next_pack] * args.warmup, device)  # the engines start, shapes compile
+        waits.clear(), packs.clear()
+        blocks = []
+        step_all.last = None
+        times, flops = [], []
+        for _ in range(args.steps):
+            item = next_pack()
+            sync(device)
+            t = time.perf_counter()
+            outs = step_all(item)
+            sync(device)
+            times.append(time.perf_counter() - t + waits[-1])
+            blocks.append(float(outs[0].blocks))
+            if len(drafters) == 1:
+                batch, state = steps[0].last
+                flops.append(step_flops(drafters[0], pack_counts(drafters[0], batch,
+                                                                 torch.Generator().set_state(state)))["model"])
     fed_s = statistics.median(times)
+    real = [b.num_real_tokens for b in packs]
+    response = [int(b.loss_mask_T.sum()) for b in packs]
+    shipped = [(b.num_real_tokens * len(b.layer_ids) + b.num_response_positions * len(b.response_layer_ids))
+               * info.hidden_size * 2 for b in packs]
     return {"fed_step_ms": fed_s * 1e3, "fed_tokens_per_s": sum(real) / sum(times),
-            "fed_model_tflops": sum(flops) / sum(times) / 1e12,
+            "fed_model_tflops": sum(flops) / sum(times) / 1e12 if flops else float("nan"),
+            "fed_response_tokens_per_s": sum(response) / sum(times),
+            "fed_bytes_per_response_token": sum(shipped) / sum(response),
+            "fed_rows_per_pack": statistics.mean(len(b.row_ids) for b in packs),
+            "fed_anchors_per_pack": statistics.mean(blocks),
             "fed_wait_fraction": sum(waits) / sum(times), "fed_pack_fill": sum(real) / (len(real) * args.pack),
             "pinned_pool_mib": copier.pool.peak_bytes / 2**20 if copier else 0.0, "max_open_packs": feed.max_open_packs}
+
+
+def bench_group(names: list[str], info: TargetInfo, head: TargetHead, args, device, target_dir: Path) -> dict:
+    """Several drafters of one run, fed the same packs (the trainer's _step: each steps in turn)."""
+    drafters = [build(name, info, device) for name in names]
+    statics = [StaticShapes(tokens=args.pack, pad=device.type == "cuda") for _ in drafters]  # one per entry
+    for drafter in drafters:
+        drafter.compute = args.compute
+    steps = [make_step(d, head, device, args.precision == "bf16", static) for d, static in zip(drafters, statics)]
+    out = bench_fed(drafters, steps, statics[0], args, device, target_dir)
+    out["compiled_shapes"] = sum(static.count for static in statics)
+    return out
 
 
 def main():
@@ -314,6 +373,8 @@ def main():
                     help="also time the step fed as a run feeds it: synthetic producers -> rings -> feed -> device")
     ap.add_argument("--workers", type=int, default=3,
                     help="--fed: synthetic feature workers (3: a trainer GPU's share of a node's 6)")
+    ap.add_argument("--positions", choices=("read", "all"), default="read",
+                    help="--fed: what the workers ship (feature_server.positions)")
     args = ap.parse_args()
     args.pack = args.pack or (2048 if args.small else 32768)
     device = torch.device(args.device)
@@ -332,6 +393,12 @@ def main():
               + f"; compute={args.compute}")
         for name in args.drafters.split(","):
             try:
+                if "+" in name:
+                    if not args.fed:
+                        raise SystemExit(f"--drafters {name}: a group of drafters is measured fed only (--fed)")
+                    results[name] = r = bench_group(name.split("+"), info, head, args, device, Path(tmp) / "target")
+                    _print_fed(name, r)
+                    continue
                 r = bench_drafter(name, info, head, args, device, Path(tmp) / "target")
             except Exception:  # the next drafter still runs; the exit status says one failed
                 traceback.print_exc()
@@ -348,18 +415,26 @@ def main():
             if args.fed:
                 r["fed_vs_fixed"] = r["fed_step_ms"] / r["step_ms"]
                 r["fed_mfu"] = r["fed_model_tflops"] / peak if peak else float("nan")
-                print(f"{name} fed: step {r['fed_step_ms']:.1f} ms ({r['fed_vs_fixed']:.2f}x the fixed pack), "
-                      f"{r['fed_tokens_per_s']:,.0f} real tokens/s, waiting for features "
-                      f"{r['fed_wait_fraction']:.1%} of it, pack fill {r['fed_pack_fill']:.3f}, pinned pool "
-                      f"{r['pinned_pool_mib']:.0f} MiB, at most {r['max_open_packs']} packs assembled at once", flush=True)
+                _print_fed(name, r)
     for name, r in results.items():
         for key in ("step_ms", "tokens_per_s", "peak_gib", "model_tflop", "mfu", "vs_matmul", "counted_tflop",
                     "fed_step_ms", "fed_tokens_per_s", "fed_vs_fixed", "fed_mfu", "fed_wait_fraction",
-                    "fed_pack_fill", "compiled_shapes"):
+                    "fed_pack_fill", "fed_response_tokens_per_s", "fed_bytes_per_response_token",
+                    "fed_rows_per_pack", "fed_anchors_per_pack", "compiled_shapes"):
             if key in r and r[key] == r[key]:  # not NaN: a peak known, FLOPs counted
                 print(f"{name}_{key}: {r[key]:.4g}")
     if failed:
         raise SystemExit(f"drafter steps failed: {failed}")
+
+
+def _print_fed(name: str, r: dict) -> None:
+    vs_fixed = f" ({r['fed_vs_fixed']:.2f}x the fixed pack)" if "fed_vs_fixed" in r else ""
+    print(f"{name} fed: step {r['fed_step_ms']:.1f} ms{vs_fixed}, {r['fed_tokens_per_s']:,.0f} real tokens/s, "
+          f"{r['fed_response_tokens_per_s']:,.1f} response tokens/s, {r['fed_rows_per_pack']:.1f} rows and "
+          f"{r['fed_anchors_per_pack']:.0f} anchors a pack, {r['fed_bytes_per_response_token'] / 2**20:.2f} MiB of "
+          f"states per response token, waiting for features {r['fed_wait_fraction']:.1%} of it, pack fill "
+          f"{r['fed_pack_fill']:.3f}, pinned pool {r['pinned_pool_mib']:.0f} MiB, at most {r['max_open_packs']} "
+          "packs assembled at once", flush=True)
 
 
 if __name__ == "__main__":

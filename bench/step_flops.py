@@ -56,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from specdistill.core.batch import PackedBatch  # noqa: E402
+from specdistill.core.contract import FeatureSpec  # noqa: E402
+from specdistill.kernels.attention.chunked import document_starts  # noqa: E402
 from specdistill.drafters import DRAFTERS, drafter_config  # noqa: E402
 from specdistill.drafters.base import COMPUTE_MODES  # noqa: E402
 from specdistill.drafters.dflash import window_context  # noqa: E402
@@ -99,6 +101,12 @@ def _documents(batch: PackedBatch) -> tuple[int, ...]:
     return tuple(int(n) for n in lengths[lengths > 0])
 
 
+def _before_in_document(batch: PackedBatch, at_N: torch.Tensor) -> torch.Tensor:
+    """Positions of each one's document laid out before it in the pack (not its position id: a row cut to what ships
+    keeps its own positions, core/batch.py)."""
+    return at_N - document_starts(batch.document_ids_T)[at_N]
+
+
 def _covered(starts_N: torch.Tensor, ends_N: torch.Tensor, length: int) -> int:
     """Positions in the union of the intervals [start, end)."""
     delta = torch.zeros(length + 1, dtype=torch.long, device=starts_N.device)
@@ -126,7 +134,7 @@ def _dflash_counts(drafter, batch: PackedBatch, generator) -> PackCounts:
         pos_NK, valid_NK = drafter.label_positions(batch, anchors_N)
         target_pos = pos_NK[valid_NK] - 1
     # An anchor block sees its document's context before the anchor, within the window (kernels/attention/reference.py)
-    context_N = batch.position_ids_T[anchors_N]
+    context_N = _before_in_document(batch, anchors_N)
     if drafter.cfg.sliding_window is not None:
         context_N = context_N.clamp(max=drafter.cfg.sliding_window)
     kept_C = window_context(batch.document_ids_T, anchors_N, drafter.cfg.sliding_window)
@@ -139,7 +147,7 @@ def _mtp_counts(drafter, batch: PackedBatch, generator) -> PackCounts:
     pos_NK, valid_NK = drafter.label_positions(batch, anchors_N)
     # A chain starts at p-1 and sees the cache entries of its document before it: p-1 of them (no window).
     starts_N = anchors_N - 1
-    return _counts(batch, anchors_N, starts_N, batch.position_ids_T[starts_N], valid_NK, pos_NK[valid_NK] - 1)
+    return _counts(batch, anchors_N, starts_N, _before_in_document(batch, starts_N), valid_NK, pos_NK[valid_NK] - 1)
 
 
 def _eagle3_counts(drafter, batch: PackedBatch, generator) -> PackCounts:
@@ -149,7 +157,7 @@ def _eagle3_counts(drafter, batch: PackedBatch, generator) -> PackCounts:
     pos_NK, valid_NK = pos_SK[chain_S_N], valid_SK[chain_S_N]
     # A chain at the pair of token t sees the step-0 keys of its document up to its own: position(t) of them.
     t_N = pairs.t_S[chain_S_N]
-    return _counts(batch, chain_S_N, t_N + 1, batch.position_ids_T[t_N], valid_NK, pos_NK[valid_NK] - 1)
+    return _counts(batch, chain_S_N, t_N + 1, _before_in_document(batch, t_N), valid_NK, pos_NK[valid_NK] - 1)
 
 
 _COUNTS = {"dflash": _dflash_counts, "dspark": _dflash_counts, "dflash2": _dflash_counts, "mtp": _mtp_counts,
@@ -429,6 +437,29 @@ def mission_rows(rows: int, response_tokens: int, info) -> PackedBatch:
                        position_ids_T=position_ids_T, layer_ids=(), row_ids=tuple(range(rows)))
 
 
+PACK_TOKENS = 32768
+
+
+def shipped_rows(spec: FeatureSpec, response_tokens: int, info) -> PackedBatch:
+    """A pack of the mission's rows as feature_server.positions=read ships them for `spec` and the planner packs them
+    (core/contract.py, docs/scaling.md "What ships"): whole rows when the spec's context layers ship whole (the
+    mission pack, mission_rows(6, ...)); a windowed spec's rows cut to window + response positions (their own
+    position ids kept), as many as fit PACK_TOKENS."""
+    if spec.context_window is None:
+        return mission_rows(6, response_tokens, info)
+    whole = mission_rows(6, response_tokens, info)
+    lengths = torch.bincount(whole.document_ids_T).tolist()
+    n = spec.context_window + response_tokens
+    rows = PACK_TOKENS // n
+    starts = [lengths[r % len(lengths)] - n for r in range(rows)]
+    document_ids_T = torch.arange(rows).repeat_interleave(n)
+    position_ids_T = torch.cat([torch.arange(s, s + n) for s in starts])
+    return PackedBatch(input_ids_T=torch.zeros(rows * n, dtype=torch.long),
+                       loss_mask_T=(torch.arange(rows * n) % n) >= n - response_tokens,
+                       hidden_TLD=whole.hidden_TLD.new_zeros(rows * n, 0, info.hidden_size), document_ids_T=document_ids_T,
+                       position_ids_T=position_ids_T, layer_ids=(), row_ids=tuple(range(rows)))
+
+
 def main():
     from bench.drafter_steps import DENSE_BF16_PEAK_TFLOPS
 
@@ -461,8 +492,15 @@ def report(args, info, step_ms: dict):
     for name in args.drafters.split(","):
         drafter = meta_drafter(name, info)
         opt = optimizer_flops(drafter)
-        for rows, response in packs:
-            c = pack_counts(drafter, mission_rows(rows, response, info))
+        cases = [(f"{rows}x{response}", mission_rows(rows, response, info)) for rows, response in packs]
+        read = FeatureSpec.union([drafter.feature_spec()], positions="read")
+        if read.context_window is not None:  # positions=read: a windowed drafter's rows packed by what ships
+            for response in sorted({r for _, r in packs}):
+                batch = shipped_rows(read, response, info)
+                cases.append((f"{len(batch.row_ids)}x{response} shipped", batch))
+        for label, batch in cases:
+            c = pack_counts(drafter, batch)
+            rows, response = len(batch.row_ids), int(batch.loss_mask_T.sum()) // len(batch.row_ids)
             for compute in COMPUTE_MODES:
                 drafter.compute = compute
                 f = step_flops(drafter, c)
@@ -470,7 +508,7 @@ def report(args, info, step_ms: dict):
                                   for k, v in sorted(f["parts"].items(), key=lambda kv: -kv[1])[:4])
                 mfu = (f"{f['model'] / (step_ms[name] / 1e3) / (args.peak_tflops * 1e12):.3f}"
                        if name in step_ms and (rows, response) == (6, 45) and compute == "read" else "")
-                print(f"| {name} | {compute} | {rows}x{response} | {c.tokens:,} | {c.anchors:,} | {c.M:,} | "
+                print(f"| {name} | {compute} | {label} | {c.tokens:,} | {c.anchors:,} | {c.M:,} | "
                       f"{c.targets:,} | {f['model'] / 1e12:.2f} | {f['model'] / max(c.anchors, 1) / 1e9:.1f} | "
                       f"{f['executed'] / 1e12:.2f} | {f['unused'] / 1e12:.2f} | {opt / 1e12:.2f} | {mfu} | {parts} |")
 

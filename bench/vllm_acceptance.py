@@ -52,7 +52,7 @@ def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], cont
             for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))]
     spec = drafter.feature_spec()
     with FeatureServer(str(target_dir), spec, rows, FeatureServerConfig(workers=1)) as server:
-        return evaluate_as_served(drafter, head, server, spec.layer_ids, torch.device("cpu"),
+        return evaluate_as_served(drafter, head, server, spec, torch.device("cpu"),
                                   stages=dict(enumerate(stages)) if stages else None, max_generated=max_generated)
 
 

@@ -123,7 +123,7 @@ def file_sample(llm, row: TokenizedRow, ch: ShmChannel) -> tuple[float, float, f
     assert data["token_ids"].tolist() == list(row.input_ids), f"row {row.row_id}: token ids differ"
     hidden_TLD = data["hidden_states"].to(SPEC.torch_dtype)  # load_file is lazy: this reads the file's pages
     t3 = time.perf_counter()
-    ch.put(row.row_id, sample_tensors(row, hidden_TLD))
+    ch.put(row.row_id, sample_tensors(row, hidden_TLD, SPEC))
     t4 = time.perf_counter()
     del ch.get(timeout=60).tensors
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3
@@ -183,7 +183,7 @@ def bench_host_ops(tokens: int, reps: int) -> dict[str, float]:
             t1 = time.perf_counter()
             loaded = load_file(path)["hidden_states"]  # a lazy view of the file: the ring copy reads its pages
             os.unlink(path)
-            producer.put(0, sample_tensors(row, loaded))
+            producer.put(0, sample_tensors(row, loaded, SPEC))
             t3 = time.perf_counter()
             del ch.get(timeout=60).tensors, loaded
             res = producer.reserve(1, {"input_ids_T": (torch.int64, (tokens,)), "loss_mask_T": (torch.bool, (tokens,)),

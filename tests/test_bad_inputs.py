@@ -9,6 +9,7 @@ wrong type / unknown key -> test_config.py. Here: broken checkpoints, NaN/Inf hi
 """
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,8 +77,9 @@ def small_trainer(tiny_target, cache_dir, tmp_path_factory):
 def _batch(trainer):
     with trainer._server(trainer.rows[:2]) as server:
         samples = [s for s in server]
-    return pack([type(s)(s.row_id, s.input_ids_T.clone(), s.loss_mask_T.clone(), s.hidden_TLD.clone())
-                 for s in samples], trainer.spec.layer_ids)
+    return pack([replace(s, input_ids_T=s.input_ids_T.clone(), loss_mask_T=s.loss_mask_T.clone(),
+                         hidden_TLD=s.hidden_TLD.clone(), response_RLD=s.response_RLD.clone())
+                 for s in samples], trainer.spec)
 
 
 @pytest.mark.slow
@@ -130,4 +132,5 @@ def test_packs_hold_the_token_budget_even_past_the_targets_context(tiny_target, 
     trainer = Trainer(drafter_cfg, TrainerConfig(max_steps=2, ranks=1, device="cpu", token_budget=8192,
                                                  progress=False), FeatureServerConfig(workers=1, capacity_mb=512),
                       tmp_path / "run", target, train, heldout, cache_dir=cache_dir)
-    assert (trainer.pack_tokens, trainer.row_tokens) == (8192, 4096)
+    # The engine prefills rows up to the longest one selected (its max_model_len - 1), within the context
+    assert trainer.pack_tokens == 8192 and trainer.row_tokens == int(trainer.rows.num_tokens.max()) <= 4095

@@ -3,10 +3,22 @@
 A drafter declares a `FeatureSpec`; the feature server reads it and never imports drafter code.
 Layer ids follow vLLM's convention: id k is the residual stream after k decoder layers, so 0 is the
 embedding output and `num_hidden_layers` is the last layer's output *before* the final norm.
+
+Which positions of a row ship (docs/scaling.md, "What ships"): a spec says it as data, two suffixes of the row.
+- Context layers (every layer but the response layers) ship from `context_start` to the row's end: the whole row,
+  or, with `context_window` W, from the row's first response token minus W (a windowed drafter's first anchor is
+  the first response token, and its keys reach back W tokens: nothing before that is ever read).
+- Response layers (the last layer, where no drafter reads it as an input) ship from `response_start` (the first
+  response token - 1, whose state gives the target's distribution of that token) to the row's end: the only
+  positions a loss, the held-out walk or the baselines read them at.
+Token ids and the loss mask ship for the whole row (the n-gram baseline searches the whole prompt). Both suffixes
+are functions of the row's first response token, so workers and the trainer compute them alike (`RowSpans`).
 """
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -15,16 +27,81 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_HIDDEN_DTYPE = "bfloat16"
 
 
+# feature_server.positions: "read" ships what the run's drafters read (the spec's suffixes); "all" every position of
+# every layer (the comparison: equal losses and gradients, tests/test_positions_read.py).
+POSITIONS = ("read", "all")
+
+
+@dataclass(frozen=True)
+class RowSpans:
+    """Where one row's states start: context layers at [context_start, T), response layers at [response_start, T)."""
+
+    context_start: int
+    response_start: int
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
-    layer_ids: tuple[int, ...]  # ascending, deduplicated (vLLM sorts them too)
+    layer_ids: tuple[int, ...]  # every layer shipped: ascending, deduplicated (vLLM sorts them too)
     hidden_dtype: str = DEFAULT_HIDDEN_DTYPE
+    # None: context layers ship every position; W: from the first response token - W (module docstring).
+    context_window: int | None = None
+    # Layers shipped only from the first response token - 1 (the target's distribution); a subset of layer_ids.
+    response_layer_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self):
         if list(self.layer_ids) != sorted(set(self.layer_ids)):
             raise ValueError(f"layer_ids must be ascending and unique, got {list(self.layer_ids)}")
         if self.hidden_dtype not in DTYPES:
             raise ValueError(f"hidden_dtype {self.hidden_dtype!r} not in {sorted(DTYPES)}")
+        if list(self.response_layer_ids) != sorted(set(self.response_layer_ids)) or \
+                not set(self.response_layer_ids) <= set(self.layer_ids):
+            raise ValueError(f"response_layer_ids {list(self.response_layer_ids)} must be ascending, unique and among "
+                             f"layer_ids {list(self.layer_ids)}")
+        if self.context_window is not None and self.context_window < 1:
+            raise ValueError(f"context_window={self.context_window}: need >= 1 (or None for whole rows)")
+
+    @property
+    def context_layer_ids(self) -> tuple[int, ...]:
+        """The layers shipped over the context suffix (hidden_TLD), in order."""
+        return tuple(i for i in self.layer_ids if i not in self.response_layer_ids)
+
+    @property
+    def whole_rows(self) -> bool:
+        """Every layer ships every position (what feature_server.positions=all gives)."""
+        return self.context_window is None and not self.response_layer_ids
+
+    def positions(self) -> dict:
+        """What ships, as metrics.json records it."""
+        return {"context_window": self.context_window, "context_layer_ids": list(self.context_layer_ids),
+                "response_layer_ids": list(self.response_layer_ids)}
+
+    def describe(self) -> str:
+        """What ships, in a sentence (logged when a run starts)."""
+        context = (f"layers {list(self.context_layer_ids)} at whole rows (a drafter of the run attends to whole "
+                   "documents, or feature_server.positions=all)" if self.context_window is None else
+                   f"layers {list(self.context_layer_ids)} from {self.context_window} tokens before each row's first "
+                   "response token")
+        response = (f"; layers {list(self.response_layer_ids)} from each row's first response token - 1 (the "
+                    "target's distribution)" if self.response_layer_ids else "")
+        return context + response + f"; {self.hidden_dtype}"
+
+    def spans(self, first_response: int, num_tokens: int) -> RowSpans:
+        """The row's two suffixes (module docstring); first_response = num_tokens for a row with no response."""
+        first = min(max(first_response, 0), num_tokens)
+        context = 0 if self.context_window is None else max(0, first - self.context_window)
+        response = max(context, min(first, num_tokens) - 1) if self.response_layer_ids else context
+        return RowSpans(context, response)
+
+    def context_starts(self, first_response_N: np.ndarray, num_tokens_N: np.ndarray) -> np.ndarray:
+        """[N] context_start of each row (`spans`, vectorised over an index: the pack planner's lengths)."""
+        first = np.clip(np.asarray(first_response_N, dtype=np.int64), 0, np.asarray(num_tokens_N, dtype=np.int64))
+        return np.zeros_like(first) if self.context_window is None else np.maximum(first - self.context_window, 0)
+
+    def row_spans(self, loss_mask_T) -> RowSpans:
+        mask = torch.as_tensor(loss_mask_T)
+        hits = torch.nonzero(mask).flatten()
+        return self.spans(int(hits[0]) if hits.numel() else mask.shape[0], mask.shape[0])
 
     def check_against(self, num_hidden_layers: int) -> None:
         bad = [i for i in self.layer_ids if not 0 <= i <= num_hidden_layers]
@@ -39,26 +116,91 @@ class FeatureSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.hidden_dtype]
 
+    @classmethod
+    def union(cls, specs: Iterable["FeatureSpec"], hidden_dtype: str = DEFAULT_HIDDEN_DTYPE,
+              positions: str = "read") -> "FeatureSpec":
+        """What one stream must carry for several readers (a run's drafters): every layer any of them reads; the
+        widest context (whole rows if any reader needs them); a layer ships as a response layer only where no
+        reader takes it as context. positions="all": whole rows of every layer."""
+        if positions not in POSITIONS:
+            raise ValueError(f"feature_server.positions={positions!r}; valid: {', '.join(POSITIONS)}")
+        specs = list(specs)
+        layer_ids = tuple(sorted(set().union(*(s.layer_ids for s in specs))))
+        if positions == "all":
+            return cls(layer_ids, hidden_dtype)
+        windows = [s.context_window for s in specs]
+        window = None if None in windows else max(windows)
+        context = set().union(*(s.context_layer_ids for s in specs))
+        response = tuple(sorted(set().union(*(s.response_layer_ids for s in specs)) - context))
+        return cls(layer_ids, hidden_dtype, window, response)
+
 
 @dataclass
 class FeatureSample:
-    """One dataset row after the target's prefill. Shapes: T tokens, L requested layers, D hidden."""
+    """One dataset row after the target's prefill. Shapes: T tokens (the whole row), C = T - context_start context
+    positions, R = T - response_start response positions, L layers, D hidden (module docstring)."""
 
     row_id: int
-    input_ids_T: torch.Tensor  # int64
-    loss_mask_T: torch.Tensor  # bool, True on response tokens
-    hidden_TLD: torch.Tensor  # spec.hidden_dtype, layers in spec.layer_ids order
+    input_ids_T: torch.Tensor  # int64, the whole row
+    loss_mask_T: torch.Tensor  # bool, True on response tokens, the whole row
+    hidden_TLD: torch.Tensor  # [C, L, D] spec.hidden_dtype, spec.context_layer_ids in order
+    response_RLD: torch.Tensor | None = None  # [R, L, D] spec.response_layer_ids in order (None: there are none)
+    context_start: int = 0
+    response_start: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids_T.shape[0]
 
     def check(self, spec: FeatureSpec, hidden_size: int) -> None:
-        """Validate a sample that crossed a process boundary (shapes, dtypes, ids)."""
+        """Validate a sample that crossed a process boundary (shapes, dtypes, ids, the positions shipped)."""
         T = self.input_ids_T.shape[0]
-        want = (T, len(spec.layer_ids), hidden_size)
-        if tuple(self.hidden_TLD.shape) != want:
-            raise ValueError(f"row {self.row_id}: hidden states shape {tuple(self.hidden_TLD.shape)}, expected {want}")
-        if self.hidden_TLD.dtype != spec.torch_dtype:
-            raise ValueError(f"row {self.row_id}: hidden dtype {self.hidden_TLD.dtype}, expected {spec.torch_dtype}")
         if self.loss_mask_T.shape != (T,) or self.input_ids_T.dtype != torch.int64:
             raise ValueError(f"row {self.row_id}: input_ids/loss_mask malformed ({self.input_ids_T.dtype}, {tuple(self.loss_mask_T.shape)} vs T={T})")
+        spans = spec.row_spans(self.loss_mask_T)
+        if (self.context_start, self.response_start) != (spans.context_start, spans.response_start):
+            raise ValueError(f"row {self.row_id}: states start at positions ({self.context_start}, "
+                             f"{self.response_start}), the spec ships them from ({spans.context_start}, "
+                             f"{spans.response_start})")
+        fields = [("hidden states", self.hidden_TLD, T - spans.context_start, spec.context_layer_ids)]
+        if spec.response_layer_ids:
+            fields.append(("response states", self.response_RLD, T - spans.response_start, spec.response_layer_ids))
+        elif self.response_RLD is not None:
+            raise ValueError(f"row {self.row_id}: carries response states, the spec ships no response layers")
+        for what, tensor, positions, layers in fields:
+            want = (positions, len(layers), hidden_size)
+            if tensor is None or tuple(tensor.shape) != want:
+                got = None if tensor is None else tuple(tensor.shape)
+                raise ValueError(f"row {self.row_id}: {what} of layers {list(layers)} have shape {got}, expected "
+                                 f"{want} (positions {T - positions}..{T - 1} of its {T} tokens)")
+            if tensor.dtype != spec.torch_dtype:
+                raise ValueError(f"row {self.row_id}: {what} dtype {tensor.dtype}, expected {spec.torch_dtype}")
+
+    def shipped(self, spec: FeatureSpec) -> "FeatureSample":
+        """This sample as `spec` ships it, cut from a whole-row sample of spec.layer_ids (tools, tests, the
+        transformers backend): context layers from context_start, response layers from response_start."""
+        if self.context_start or self.response_RLD is not None:
+            raise ValueError(f"row {self.row_id}: already cut to the positions a spec ships")
+        spans = spec.row_spans(self.loss_mask_T)
+        return FeatureSample(self.row_id, self.input_ids_T, self.loss_mask_T,
+                             *cut_states(self.hidden_TLD, spec, spans), spans.context_start, spans.response_start)
+
+
+def sample_fields(spec: FeatureSpec) -> tuple[str, ...]:
+    """The tensors of one row's sample as it crosses to the trainer (feature_server/backends.py sample_layout)."""
+    return ("input_ids_T", "loss_mask_T", "hidden_TLD") + (("response_RLD",) if spec.response_layer_ids else ())
+
+
+def cut_states(states_TLD: torch.Tensor, spec: FeatureSpec, spans: RowSpans) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(context states [C, Lc, D], response states [R, Lr, D] or None) of a whole row's states of spec.layer_ids,
+    on the states' own device (a GPU backend cuts before the copy to the host). Views where the columns allow."""
+    cols = lambda ids: [spec.layer_ids.index(i) for i in ids]  # noqa: E731
+    context = spec.context_layer_ids
+    hidden = states_TLD[spans.context_start:]
+    if len(context) != len(spec.layer_ids):
+        hidden = hidden[:, cols(context)]
+    response = states_TLD[spans.response_start:, cols(spec.response_layer_ids)] if spec.response_layer_ids else None
+    return hidden, response
 
 
 @dataclass(frozen=True)

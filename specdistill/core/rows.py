@@ -51,6 +51,15 @@ class Rows(Sequence):
     def by_id(self, row_id: int) -> TokenizedRow:
         return self._row(self.position_of(row_id))
 
+    @property
+    def first_response(self) -> np.ndarray:
+        """[N] int64: each row's first response token (loss_mask 1); its length when it has none. What the positions
+        a row ships start from (core/contract.py FeatureSpec.spans)."""
+        if not hasattr(self, "_first_response"):
+            self._first_response = np.array([next((i for i, m in enumerate(row.loss_mask) if m), row.num_tokens)
+                                             for row in self], dtype=np.int64)
+        return self._first_response
+
     def response_tokens(self) -> np.ndarray:
         """[N] int64: each row's response tokens (loss_mask 1)."""
         return np.array([sum(row.loss_mask) for row in self], dtype=np.int64)

@@ -50,6 +50,12 @@ class StaticShapes:
     def anchors(self, n: int) -> int:
         return anchor_bucket(n)
 
+    def walk_tokens(self, n: int) -> int:
+        """The length a held-out walk of one n-position row is laid out over: a bucket (16 x {1, 1.5} x 2^k, as
+        anchors), at most the pack's. Rows of the mission (~2.1k positions shipped for a windowed drafter) pay
+        for 3,072, not 32,768, and the walks add a few shapes per anchor bucket."""
+        return min(max(anchor_bucket(n), n), max(self.tokens, n))
+
     def record(self, *key) -> None:
         # A shape is compiled once for training and once more for the held-out walks (no autograd there).
         self.seen.add((*key, torch.is_grad_enabled()))

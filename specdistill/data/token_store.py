@@ -228,6 +228,12 @@ class StoreRows(Rows):
         positions = np.asarray(positions, dtype=np.int64)
         return StoreRows(self.store, self.positions[positions], self.starts[positions])
 
+    @property
+    def first_response(self) -> np.ndarray:
+        """From the index (first_loss.npy), minus each row's left cut (a cut never passes the first response
+        token: specdistill/data/selection.py)."""
+        return np.maximum(self.store.first_loss[self.positions].astype(np.int64) - self.starts, 0)
+
     def response_tokens(self) -> np.ndarray:
         """Per row, summed on the memory-mapped mask (no row is built)."""
         s, out = self.store, np.zeros(len(self), dtype=np.int64)

@@ -61,7 +61,8 @@ class Drafter(nn.Module, ABC):
 
     @abstractmethod
     def feature_spec(self) -> FeatureSpec:
-        """What this head needs from the target (the feature server reads only this)."""
+        """What this head needs from the target: its layers and the positions of each it can read (the feature
+        server reads only this, merged over a run's drafters: FeatureSpec.union). hidden_dtype is the run's."""
 
     def input_layer_ids(self) -> list[int]:
         """The target layers the drafter reads as inputs (the rest of feature_spec() serves the target's own
@@ -106,6 +107,16 @@ class Drafter(nn.Module, ABC):
         from specdistill.drafters.warm_start import load_weights
 
         load_weights(self, path)
+
+
+def reads(input_layer_ids, num_hidden_layers: int, context_window: int | None) -> FeatureSpec:
+    """The FeatureSpec of a drafter that takes `input_layer_ids` as inputs over `context_window` tokens before its
+    first anchor (None: whole rows) and the last layer (num_hidden_layers) for the target's distribution of its
+    labels: that layer ships only at response positions unless it is an input too (core/contract.py)."""
+    last = num_hidden_layers
+    layer_ids = tuple(sorted(set(input_layer_ids) | {last}))
+    return FeatureSpec(layer_ids, context_window=context_window,
+                       response_layer_ids=() if last in input_layer_ids else (last,))
 
 
 def block_metrics(loss: torch.Tensor, correct_NK: torch.Tensor, valid_NK: torch.Tensor) -> StepOutput:

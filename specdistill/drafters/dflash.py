@@ -23,8 +23,8 @@ from torch import nn
 from specdistill.core.batch import PackedBatch
 from specdistill.core.contract import FeatureSpec
 from specdistill.core.target import RMSNorm, TargetHead, TargetInfo
-from specdistill.drafters.base import (Drafter, StepOutput, block_metrics, choose_mask_token, export_dtype, sample_anchors,
-                           speculators_block)
+from specdistill.drafters.base import (Drafter, StepOutput, block_metrics, choose_mask_token, export_dtype, reads,
+                                      sample_anchors, speculators_block)
 from specdistill.drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
                              layer_geometry, speculators_layer_config)
 from specdistill.drafters import vllm_groups
@@ -268,8 +268,10 @@ class DFlashDrafter(Drafter):
         return self.block_size - 1
 
     def feature_spec(self) -> FeatureSpec:
-        # The last layer (pre-norm) gives the target's own distribution, computed by the trainer.
-        return FeatureSpec(tuple(sorted(set(self.target_layer_ids) | {self.target.num_hidden_layers})))
+        """The context layers from the first anchor (the row's first response token) minus the window, which is as
+        far back as any block's keys reach (kernels/attention/reference.py); the last layer (pre-norm: the target's
+        own distribution, computed by the trainer) where a label's distribution is read, unless it is an input."""
+        return reads(self.target_layer_ids, self.target.num_hidden_layers, self.cfg.sliding_window)
 
     # --- forward -----------------------------------------------------------------------------------
     def block_hidden(self, batch: PackedBatch, head: TargetHead, anchors_N: torch.Tensor) -> torch.Tensor:
@@ -296,7 +298,7 @@ class DFlashDrafter(Drafter):
 
     def last_layer_at(self, batch: PackedBatch, positions_P: torch.Tensor) -> torch.Tensor:
         """The target's last-layer states [P, D] at pack positions (pre-norm): its distribution there."""
-        return batch.layers([self.target.num_hidden_layers])[positions_P, 0]
+        return batch.layer_at(self.target.num_hidden_layers, positions_P)
 
     def label_positions(self, batch: PackedBatch, anchors_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token positions [N, K] each draft slot predicts, and which of them carry loss."""

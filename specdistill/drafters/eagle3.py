@@ -47,7 +47,7 @@ from specdistill.core.batch import PackedBatch
 from specdistill.core.contract import FeatureSpec, TokenizedRow
 from specdistill.core.rows import as_rows
 from specdistill.core.target import RMSNorm, TargetHead, TargetInfo
-from specdistill.drafters.base import Drafter, StepOutput, export_dtype, proposal_tokens, speculators_block
+from specdistill.drafters.base import Drafter, StepOutput, export_dtype, proposal_tokens, reads, speculators_block
 from specdistill.drafters.layers import (LayerShape, QKVProjections, Rotary, SwiGLU, apply_rotary, init_linear,
                              layer_geometry, speculators_layer_config)
 from specdistill.drafters.targets import DistinctTargets
@@ -274,13 +274,15 @@ class Eagle3Drafter(Drafter):
         return self.cfg.num_speculative_tokens
 
     def feature_spec(self) -> FeatureSpec:
-        # The last layer (pre-norm) gives the target's own distribution, computed by the trainer.
-        return FeatureSpec(tuple(sorted(set(self.target_layer_ids) | {self.target.num_hidden_layers})))
+        """Its layers at every position (step 0 attends to the whole document); the last layer (pre-norm: the
+        target's own distribution, computed by the trainer) where a label's distribution is read, unless it is an
+        input."""
+        return reads(self.target_layer_ids, self.target.num_hidden_layers, context_window=None)
 
     # --- forward -----------------------------------------------------------------------------------
     def last_layer_at(self, batch: PackedBatch, positions_P: torch.Tensor) -> torch.Tensor:
         """The target's last-layer states [P, D] at pack positions (pre-norm): its distribution there."""
-        return batch.layers([self.target.num_hidden_layers])[positions_P, 0]
+        return batch.layer_at(self.target.num_hidden_layers, positions_P)
 
     def pairs(self, batch: PackedBatch) -> Pairs:
         T, doc = batch.num_tokens, batch.document_ids_T

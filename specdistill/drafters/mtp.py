@@ -265,10 +265,10 @@ class MTPDrafter(Drafter):
     def training_step(self, batch: PackedBatch, head: TargetHead, generator: torch.Generator) -> StepOutput:
         anchors_N = self.select_anchors(batch, generator)
         pos_NK, valid_NK = self.label_positions(batch, anchors_N)
-        last_TD = batch.layers([self.target.num_hidden_layers])[:, 0]
         # The target's token at p+k, from its state before; a state is the label of up to K chains: once each.
         states_U, index_M = torch.unique(pos_NK[valid_NK] - 1, return_inverse=True)
-        target_M = head.argmax(last_TD[states_U])[index_M]
+        last_UD = batch.layer_at(self.target.num_hidden_layers, states_U)
+        target_M = head.argmax(last_UD)[index_M]
         states_NKD, _ = self.unroll(batch, head, anchors_N, teacher_tokens=True)
         hidden_MD = states_NKD[valid_NK]
         rows = chunked_loss("ce", hidden_MD, head.lm_head.weight, labels_M=target_M)  # response-only, chunked

@@ -184,11 +184,22 @@ def target_tokens(sample_batch: PackedBatch, head, num_hidden_layers: int, start
     """The row's tokens with response positions [start, end) replaced by the target's own greedy choice there
     (argmax of its distribution from the layer-L state one position earlier): what the target emits, and so what
     a serving engine verifies drafts against."""
-    last_TD = sample_batch.layers([num_hidden_layers])[:, 0]
     tokens = sample_batch.input_ids_T.tolist()
     start = max(start, 1)  # a row with no prompt: nothing predicts its first token
-    tokens[start:end] = head.argmax(last_TD[start - 1:end - 1]).tolist()
+    states = torch.arange(start - 1, end - 1, device=sample_batch.input_ids_T.device)
+    tokens[start:end] = head.argmax(sample_batch.layer_at(num_hidden_layers, states)).tolist()
     return tokens
+
+
+@torch.no_grad()
+def target_row(sample, spec, head, device: torch.device | str = "cpu") -> list[int]:
+    """A sample's whole row of tokens (from its first: what prompt lookup searches) with its response replaced by
+    the target's own greedy tokens (`target_tokens`, from the states the sample shipped): what the baselines walk."""
+    batch = pack([sample], spec).to(torch.device(device), torch.float32)
+    idx = torch.nonzero(sample.loss_mask_T).flatten()
+    cut = sample.num_tokens - batch.num_real_tokens  # the pack holds the row from its context_start
+    shipped = target_tokens(batch, head, head.info.num_hidden_layers, int(idx[0]) - cut, int(idx[-1]) + 1 - cut)
+    return sample.input_ids_T[:cut].tolist() + shipped
 
 
 @torch.no_grad()
@@ -216,20 +227,23 @@ def evaluate_sample(drafter, head, sample_batch: PackedBatch, counts: Acceptance
     q_NKV = None
     if draft_mode == "sample":
         q_NKV = torch.softmax(drafter.draft_logits(sample_batch, head, anchors_N).float() / temperature, -1)
-    last_TD = sample_batch.layers([head.info.num_hidden_layers])[:, 0]
     generator = torch.Generator().manual_seed(seed * 1_000_003 + sample_batch.row_ids[0])
-    sampled_walk(drafts_NK.cpu(), None if q_NKV is None else q_NKV.cpu(), lambda i0, i1: head.logits(last_TD[i0:i1]).cpu(),
+    last = lambda i0, i1: sample_batch.layer_at(head.info.num_hidden_layers,  # noqa: E731
+                                                torch.arange(i0, i1, device=anchors_N.device))
+    sampled_walk(drafts_NK.cpu(), None if q_NKV is None else q_NKV.cpu(), lambda i0, i1: head.logits(last(i0, i1)).cpu(),
                  start, stop, end, temperature, counts, generator)
 
 
 @torch.no_grad()
-def evaluate_report(drafter, head, samples, layer_ids, device, dtype, stages: dict[int, str] | None = None,
+def evaluate_report(drafter, head, samples, spec, device, dtype, stages: dict[int, str] | None = None,
                     temperature: float = 0.0, draft_mode: str = "greedy", seed: int = 0,
                     max_generated: int | None = None, static=None) -> AcceptanceReport:
-    """Offline acceptance over held-out FeatureSamples (one row per pass), in total and per stage.
+    """Offline acceptance over held-out FeatureSamples (one row per pass), in total and per stage. spec: what the
+    samples ship (a FeatureSpec; layer ids mean whole rows of those layers).
 
-    static: a run's fixed shapes (specdistill/core/shapes.py): each row is laid out as a training pack (padded to
-    static.tokens where static.pad), so the held-out walk compiles no shapes of its own beyond its anchor buckets."""
+    static: a run's fixed shapes (specdistill/core/shapes.py): where static.pad, each row is laid out over a length
+    bucket (StaticShapes.walk_tokens, at most static.tokens), so the held-out walks compile a few shapes, not one
+    per row, and a 2k-position row does not pay for a 32k pack."""
     if draft_mode not in DRAFT_MODES:
         raise ValueError(f"draft_mode={draft_mode!r}; valid: {', '.join(DRAFT_MODES)}")
     K = drafter.num_speculative_tokens
@@ -239,11 +253,13 @@ def evaluate_report(drafter, head, samples, layer_ids, device, dtype, stages: di
     for sample in samples:
         stage = (stages or {}).get(sample.row_id, NO_STAGE)
         counts = by_stage.setdefault(stage, AcceptanceCounts(K=K))
-        pad_to = static.tokens if static is not None and static.pad else None
+        shipped = sample.num_tokens - sample.context_start
+        pad_to = static.walk_tokens(shipped) if static is not None and static.pad else None
         # The row crosses to the device as it is, its padding is made there, and its states are cast there.
         moved = replace(sample, input_ids_T=sample.input_ids_T.to(device), loss_mask_T=sample.loss_mask_T.to(device),
-                        hidden_TLD=sample.hidden_TLD.to(device))
-        batch = replace(pack([moved], layer_ids, pad_to).to(device, dtype), static=static)
+                        hidden_TLD=sample.hidden_TLD.to(device),
+                        response_RLD=None if sample.response_RLD is None else sample.response_RLD.to(device))
+        batch = replace(pack([moved], spec, pad_to).to(device, dtype), static=static)
         evaluate_sample(drafter, head, batch, counts, max_generated, temperature, draft_mode, seed)
     drafter.train(was_training)
     total = AcceptanceCounts(K=K)
@@ -252,6 +268,6 @@ def evaluate_report(drafter, head, samples, layer_ids, device, dtype, stages: di
     return AcceptanceReport(total, by_stage, temperature, draft_mode)
 
 
-def evaluate(drafter, head, samples, layer_ids, device, dtype, max_generated: int | None = None) -> AcceptanceCounts:
+def evaluate(drafter, head, samples, spec, device, dtype, max_generated: int | None = None) -> AcceptanceCounts:
     """Offline greedy acceptance over held-out FeatureSamples (what metrics.json's tau_offline reports)."""
-    return evaluate_report(drafter, head, samples, layer_ids, device, dtype, max_generated=max_generated).total
+    return evaluate_report(drafter, head, samples, spec, device, dtype, max_generated=max_generated).total

@@ -21,7 +21,8 @@ def serving_copy(drafter, head):
     return copy.deepcopy(drafter).to(dtype), copy.deepcopy(head).to(dtype)
 
 
-def evaluate_as_served(drafter, head, samples, layer_ids, device, **report_kwargs):
-    """specdistill.evaluation.acceptance.evaluate_report with the drafter (and the target head) in the export's dtype."""
+def evaluate_as_served(drafter, head, samples, spec, device, **report_kwargs):
+    """specdistill.evaluation.acceptance.evaluate_report with the drafter (and the target head) in the export's dtype;
+    spec: what the samples ship (or layer ids: whole rows)."""
     served, served_head = serving_copy(drafter, head)
-    return evaluate_report(served, served_head, samples, layer_ids, device, export_dtype(head.info), **report_kwargs)
+    return evaluate_report(served, served_head, samples, spec, device, export_dtype(head.info), **report_kwargs)

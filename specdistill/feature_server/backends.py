@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from specdistill.core.contract import FeatureSpec, TokenizedRow
+from specdistill.core.contract import FeatureSpec, TokenizedRow, cut_states
 from specdistill.feature_server.shm_transport import ShmProducer
 
 # Listed explicitly; the key is what users type (feature_server.backend=hf).
@@ -48,33 +48,52 @@ class FeatureBackend(ABC):
     @abstractmethod
     def extract(self, rows: list[TokenizedRow]) -> list[torch.Tensor]: ...
 
+    def row_states(self, rows: list[TokenizedRow]) -> list[torch.Tensor]:
+        """Per row, states [T, len(spec.layer_ids), D] of every position wherever the backend holds them (a GPU
+        backend: on the device, so that publish cuts them to what ships before the copy to the host). Default:
+        extract()'s."""
+        return self.extract(rows)
+
     def publish(self, rows: list[TokenizedRow], producer: ShmProducer, info: dict) -> None:
-        """Publish each row's sample (sample_tensors) through `producer`, with `info` and the per-row extraction
-        seconds (`extract_s`) in its message. This default copies extract()'s tensors into the ring; a backend whose
-        target can write into a reserved region itself overrides it (vllm_backend.py)."""
+        """Publish each row's sample (sample_tensors: the positions the spec ships) through `producer`, with `info`
+        and the per-row extraction seconds (`extract_s`) in its message. This default cuts row_states()'s tensors
+        and copies them into the ring; a backend whose target can write into a reserved region itself overrides it
+        (vllm_backend.py)."""
         t0 = time.perf_counter()
-        hiddens = self.extract(rows)
+        states = self.row_states(rows)
         extract_s = (time.perf_counter() - t0) / max(1, len(rows))
-        if len(hiddens) != len(rows):
-            raise RuntimeError(f"backend returned {len(hiddens)} hidden states for {len(rows)} rows")
-        for row, hidden_TLD in zip(rows, hiddens):
-            producer.put(row.row_id, sample_tensors(row, hidden_TLD), info={**info, "extract_s": extract_s})
+        if len(states) != len(rows):
+            raise RuntimeError(f"backend returned {len(states)} hidden states for {len(rows)} rows")
+        for row, states_TLD in zip(rows, states):
+            producer.put(row.row_id, sample_tensors(row, states_TLD, self.spec), info={**info, "extract_s": extract_s})
 
     def close(self) -> None:
         """Release engine resources (processes, GPU memory); the default has none."""
 
 
 def sample_layout(row: TokenizedRow, spec: FeatureSpec, hidden_size: int) -> dict[str, tuple]:
-    """The fields of one row's sample as they cross to the trainer: name -> (dtype, shape) (ledger.py checks them)."""
+    """The fields of one row's sample as they cross to the trainer: name -> (dtype, shape) (ledger.py checks them).
+    Token ids and the loss mask cover the whole row; the states only the positions the spec ships."""
     T = row.num_tokens
-    return {"input_ids_T": (torch.int64, (T,)), "loss_mask_T": (torch.bool, (T,)),
-            "hidden_TLD": (spec.torch_dtype, (T, len(spec.layer_ids), hidden_size))}
+    spans = spec.row_spans(row.loss_mask)
+    layout = {"input_ids_T": (torch.int64, (T,)), "loss_mask_T": (torch.bool, (T,)),
+              "hidden_TLD": (spec.torch_dtype, (T - spans.context_start, len(spec.context_layer_ids), hidden_size))}
+    if spec.response_layer_ids:
+        layout["response_RLD"] = (spec.torch_dtype, (T - spans.response_start, len(spec.response_layer_ids),
+                                                     hidden_size))
+    return layout
 
 
-def sample_tensors(row: TokenizedRow, hidden_TLD: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One row's sample, laid out as sample_layout says."""
-    return {"input_ids_T": torch.tensor(row.input_ids, dtype=torch.int64),
-            "loss_mask_T": torch.tensor(row.loss_mask, dtype=torch.bool), "hidden_TLD": hidden_TLD}
+def sample_tensors(row: TokenizedRow, states_TLD: torch.Tensor, spec: FeatureSpec) -> dict[str, torch.Tensor]:
+    """One row's sample, laid out as sample_layout says, from its states of every position: cut where they are
+    (a GPU backend's device), then moved to the host in spec.hidden_dtype."""
+    hidden, response = cut_states(states_TLD, spec, spec.row_spans(row.loss_mask))
+    host = lambda t: t.to(device="cpu", dtype=spec.torch_dtype)  # noqa: E731
+    out = {"input_ids_T": torch.tensor(row.input_ids, dtype=torch.int64),
+           "loss_mask_T": torch.tensor(row.loss_mask, dtype=torch.bool), "hidden_TLD": host(hidden)}
+    if response is not None:
+        out["response_RLD"] = host(response)
+    return out
 
 
 def check_row(row: TokenizedRow, vocab_size: int) -> None:

@@ -15,6 +15,10 @@ class FeatureServerConfig:
     # of the mission's ~5k-token rows per vLLM generate call, so prefill runs batched (docs/scaling.md).
     batch_tokens: int = 32768
     hidden_dtype: str = DEFAULT_HIDDEN_DTYPE  # what crosses to the trainer (specdistill/core/contract.py)
+    # read: each layer ships only the positions the run's drafters, the held-out walk and the baselines read (a
+    # windowed drafter's context from its window before the first response token; the last layer from the first
+    # response token - 1) | all: every position of every layer (the comparison). core/contract.py, docs/scaling.md
+    positions: str = "read"
     device: str = "cpu"  # auto | cpu | cuda: where the target runs (specdistill/trainer/layout.py assigns GPU indices)
     # true: each trainer rank's workers run on the rank's own device, not on GPUs of their own, so one GPU holds the
     # whole loop (conf/layout/gpu1.yaml); false: a layout needing more GPUs than the node has is refused.

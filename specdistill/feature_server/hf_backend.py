@@ -54,13 +54,16 @@ class HFBackend(FeatureBackend):
         return self._hidden
 
     def extract(self, rows: list[TokenizedRow]) -> list[torch.Tensor]:
-        return [self._extract_row(row) for row in rows]
+        return [states.to(device="cpu", dtype=self.spec.torch_dtype) for states in self.row_states(rows)]
 
-    def _extract_row(self, row: TokenizedRow) -> torch.Tensor:
+    def row_states(self, rows: list[TokenizedRow]) -> list[torch.Tensor]:
+        """On the model's device: a worker cuts them to what ships before they cross to the host (backends.py)."""
+        return [self._row_states(row) for row in rows]
+
+    def _row_states(self, row: TokenizedRow) -> torch.Tensor:
         check_row(row, self.vocab_size)
         captured = self._prefill(row)
-        hidden_TLD = torch.stack([captured[k][0] for k in self.spec.layer_ids], dim=1)
-        return hidden_TLD.to(device="cpu", dtype=self.spec.torch_dtype)
+        return torch.stack([captured[k][0] for k in self.spec.layer_ids], dim=1)
 
     @torch.inference_mode()
     def _prefill(self, row: TokenizedRow) -> dict[int, torch.Tensor]:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from specdistill.core.contract import FeatureSample, FeatureSpec, TokenizedRow
+from specdistill.core.contract import FeatureSample, FeatureSpec, TokenizedRow, sample_fields
 from specdistill.core.rows import Rows, as_rows, check_unique_ids
 from specdistill.feature_server.shm_transport import Received
 
@@ -115,9 +115,13 @@ class SampleLedger:
         if self._done_P[position]:
             self.duplicates_dropped += 1
             return None
-        if set(msg.tensors) != {"input_ids_T", "loss_mask_T", "hidden_TLD"}:
-            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} carries fields {sorted(msg.tensors)}")
-        sample = FeatureSample(row_id=row_id, **msg.tensors)
+        fields = set(sample_fields(self.spec))
+        if set(msg.tensors) != fields:
+            raise FeatureWorkerError(f"feature worker {worker}: row {row_id} carries fields {sorted(msg.tensors)}, "
+                                     f"expected {sorted(fields)}")
+        spans = self.spec.row_spans(msg.tensors["loss_mask_T"])
+        sample = FeatureSample(row_id=row_id, **msg.tensors, context_start=spans.context_start,
+                               response_start=spans.response_start)
         sample.check(self.spec, self.hidden_size)
         if sample.loss_mask_T.dtype != torch.bool:  # FeatureSample.check leaves the mask dtype to us
             raise FeatureWorkerError(f"feature worker {worker}: row {row_id} loss mask is {sample.loss_mask_T.dtype}, "

@@ -6,9 +6,9 @@ cache. Requests are prefill-only (max_tokens=1).
 
 Hand-off, straight into shared memory: before submitting a row, the client (a feature worker) reserves the row's
 region in its own ring (specdistill/feature_server/shm_transport.py; a private memfd for `extract`) and passes the region's
-`location` in the request's `kv_transfer_params`. `RingHiddenStatesConnector`, inside the engine process, gathers
-the row's states from the cache and writes them into that region (cast to spec.hidden_dtype on the way), then the
-prompt's token ids, which the client prefilled with -1 and checks against the row. No per-request file, no second
+`location` in the request's `kv_transfer_params`, with which positions and layers of its states ship (`state_cut`:
+the spec's suffixes, core/contract.py). `RingHiddenStatesConnector`, inside the engine process, gathers only those
+from the cache and writes them into that region (cast to spec.hidden_dtype on the way), then the prompt's token ids, which the client prefilled with -1 and checks against the row. No per-request file, no second
 copy: the worker publishes the region to the trainer with a control message. The write happens in the connector's
 `wait_for_save`, which vLLM calls after the step's target and draft forwards and before the step's outputs leave
 the engine (kv_connector/v1/base.py: "wait for saves to finish before returning"), so by the time `generate`
@@ -54,6 +54,7 @@ from specdistill.feature_server.shm_transport import ChannelFull, LocalRegion, R
 logger = logging.getLogger(__name__)
 
 REGION_KEY = "specdistill_region"  # kv_transfer_params key: the region a request's states are written into
+CUT_KEY = "specdistill_cut"  # kv_transfer_params key: which positions and layers of the states go into the region
 UNWRITTEN = -1  # token id the client prefills: still there after generate = the engine wrote nothing
 
 
@@ -61,6 +62,7 @@ UNWRITTEN = -1  # token id the client prefills: still there after generate = the
 class _RegionWrite:
     req_id: str
     region: dict  # shm_transport location
+    cut: dict  # state_cut(): the positions and layer columns each states field of the region holds
     token_ids: list[int]
     block_ids: list[int]  # in the hidden-state cache group
 
@@ -94,15 +96,16 @@ class RingHiddenStatesConnector(ExampleHiddenStatesConnector):
         meta = _RegionWrites()
         for new_req in scheduler_output.scheduled_new_reqs:
             extra = (new_req.sampling_params.extra_args if new_req.sampling_params else None) or {}
-            region = (extra.get("kv_transfer_params") or {}).get(REGION_KEY)
+            params = extra.get("kv_transfer_params") or {}
+            region, cut = params.get(REGION_KEY), params.get(CUT_KEY)
             tokens = list(new_req.prompt_token_ids or [])
             scheduled = scheduler_output.num_scheduled_tokens.get(new_req.req_id, 0)
-            if region is None or scheduled != len(tokens) or new_req.num_computed_tokens:
-                logger.error("request %s: no %s in its kv_transfer_params, or its prefill is not one step "
+            if region is None or cut is None or scheduled != len(tokens) or new_req.num_computed_tokens:
+                logger.error("request %s: no %s or %s in its kv_transfer_params, or its prefill is not one step "
                              "(%d of %d tokens scheduled, %d cached); its states are not written", new_req.req_id,
-                             REGION_KEY, scheduled, len(tokens), new_req.num_computed_tokens)
+                             REGION_KEY, CUT_KEY, scheduled, len(tokens), new_req.num_computed_tokens)
                 continue
-            meta.writes.append(_RegionWrite(new_req.req_id, region, tokens,
+            meta.writes.append(_RegionWrite(new_req.req_id, region, cut, tokens,
                                             list(new_req.block_ids[self._cache_kv_group_id])))
         return meta
 
@@ -128,13 +131,33 @@ class RingHiddenStatesConnector(ExampleHiddenStatesConnector):
         assert self._kv_cache is not None, "register_kv_caches was not called"
         block_ids = torch.tensor(write.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten().to(self._kv_cache.device)
-        hidden_TLD = extract_from_kv_cache(self._kv_cache, slots, len(write.token_ids))
+        T = len(write.token_ids)
+        slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()[:T].to(self._kv_cache.device)
+        # Only the positions and layers the row ships are gathered (and so, on a GPU, copied to the host).
+        tensors = {name: _gather(self._kv_cache, slots, start, cols) for name, (start, cols) in write.cut.items()}
         # On a GPU this copies device -> the shared-memory region and waits for it: a deliberate sync, the region
         # must be complete before this step's outputs leave the engine. Token ids last: the client's check.
         with gpu_sync_allowed():
-            self._writer.write(write.region, {"hidden_TLD": hidden_TLD,
+            self._writer.write(write.region, {**tensors,
                                               "input_ids_T": torch.tensor(write.token_ids, dtype=torch.int64)})
+
+
+def _gather(kv_cache: torch.Tensor, slots_T: torch.Tensor, start: int, cols: list[int] | None) -> torch.Tensor:
+    """States [T - start, len(cols), D] of positions start.. of a request (all captured layers when cols is None)."""
+    states = extract_from_kv_cache(kv_cache, slots_T[start:], slots_T.shape[0] - start)
+    return states if cols is None else states[:, cols]
+
+
+def state_cut(row: TokenizedRow, spec: FeatureSpec) -> dict:
+    """What the connector writes of a row's captured states (spec.layer_ids, in order) into its region: per states
+    field, (first position, layer columns or None for all): the positions and layers `spec` ships
+    (core/contract.py)."""
+    spans = spec.row_spans(row.loss_mask)
+    cols = lambda ids: None if ids == spec.layer_ids else [spec.layer_ids.index(i) for i in ids]  # noqa: E731
+    cut = {"hidden_TLD": (spans.context_start, cols(spec.context_layer_ids))}
+    if spec.response_layer_ids:
+        cut["response_RLD"] = (spans.response_start, cols(spec.response_layer_ids))
+    return cut
 
 
 def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str,
@@ -233,24 +256,26 @@ class VLLMBackend(FeatureBackend):
             for row, region in zip(batch, regions):
                 region.tensors["loss_mask_T"].copy_(torch.tensor(row.loss_mask, dtype=torch.bool))
             t0 = time.perf_counter()
-            self._prefill_into(batch, regions)
+            self._prefill_into(batch, regions, self.spec)
             extract_s = (time.perf_counter() - t0) / len(batch)
             for region in regions:
                 producer.publish(region, info={**info, "extract_s": extract_s})
 
     def extract(self, rows: list[TokenizedRow]) -> list[torch.Tensor]:
-        """Prefill every row once; states [T, L, D] in spec.layer_ids order and spec.hidden_dtype."""
+        """Prefill every row once; states [T, L, D] of every position in spec.layer_ids order and spec.hidden_dtype
+        (for tools and tests; a run's workers publish only what the spec ships)."""
         self._check_rows(rows)
-        regions = [LocalRegion(row.row_id, self._sample_layout(row, with_mask=False)) for row in rows]
+        whole = FeatureSpec(self.spec.layer_ids, self.spec.hidden_dtype)
+        regions = [LocalRegion(row.row_id, self._sample_layout(row, whole, with_mask=False)) for row in rows]
         try:
-            self._prefill_into(rows, regions)
+            self._prefill_into(rows, regions, whole)
         finally:
             for region in regions:
                 region.close()
         return [region.tensors["hidden_TLD"] for region in regions]
 
-    def _sample_layout(self, row: TokenizedRow, with_mask: bool = True) -> dict:
-        layout = sample_layout(row, self.spec, self._hidden_size)
+    def _sample_layout(self, row: TokenizedRow, spec: FeatureSpec | None = None, with_mask: bool = True) -> dict:
+        layout = sample_layout(row, spec or self.spec, self._hidden_size)
         return layout if with_mask else {k: v for k, v in layout.items() if k != "loss_mask_T"}
 
     def _check_rows(self, rows: list[TokenizedRow]) -> None:
@@ -264,9 +289,9 @@ class VLLMBackend(FeatureBackend):
                                  "the one token a prefill-only request generates); raise max_model_len when "
                                  "constructing VLLMBackend, up to the target's context + 1")
 
-    def _prefill_into(self, rows: list[TokenizedRow], regions: list) -> None:
-        """One generate call; the connector writes row i's hidden_TLD and input_ids_T into regions[i]. Raises,
-        naming the row, for a region the engine did not write (or wrote for other tokens)."""
+    def _prefill_into(self, rows: list[TokenizedRow], regions: list, spec: FeatureSpec) -> None:
+        """One generate call; the connector writes row i's states (the positions `spec` ships) and input_ids_T into
+        regions[i]. Raises, naming the row, for a region the engine did not write (or wrote for other tokens)."""
         if not rows:
             return
         from vllm import SamplingParams
@@ -276,8 +301,9 @@ class VLLMBackend(FeatureBackend):
             region.tensors["input_ids_T"].fill_(UNWRITTEN)  # a reused region must not pass for a written one
         prompts = [TokensPrompt(prompt_token_ids=list(row.input_ids)) for row in rows]
         params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                 extra_args={"kv_transfer_params": {REGION_KEY: region.location}})
-                  for region in regions]
+                                 extra_args={"kv_transfer_params": {REGION_KEY: region.location,
+                                                                    CUT_KEY: state_cut(row, spec)}})
+                  for row, region in zip(rows, regions)]
         outputs = self._llm.generate(prompts, params, use_tqdm=False)
         if len(outputs) != len(rows):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for rows {[r.row_id for r in rows]}")

@@ -33,6 +33,8 @@ class TrainState:
     train_tokens: int = 0
     train_response_tokens: int = 0
     packs: int = 0  # packed sequences trained on (pack_fill = train_tokens / (packs * pack size))
+    train_rows: int = 0  # rows in those packs (rows_per_pack)
+    feature_bytes: int = 0  # target-state bytes those packs' rows shipped (feature_bytes_per_response_token)
     train_seconds: float = 0.0
     feature_seconds: float = 0.0  # worker-side extraction, summed over workers
     feature_wait_seconds: float = 0.0  # trainer idle waiting for features
@@ -49,7 +51,7 @@ class TrainState:
 
 # Counters each rank keeps over its own shard: the job's value is their sum over the ranks (metrics.json, and a
 # resume on another rank count). train_seconds is wall-clock time, the same on every rank: never summed.
-SUMMED_OVER_RANKS = ("train_tokens", "train_response_tokens", "packs", "feature_seconds", "feature_wait_seconds",
+SUMMED_OVER_RANKS = ("train_tokens", "train_response_tokens", "packs", "train_rows", "feature_bytes", "feature_seconds", "feature_wait_seconds",
                      "samples_duplicated", "samples_lost", "rows_reissued", "duplicate_deliveries_dropped",
                      "feature_workers_died", "target_tokens")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdistill.core.batch import PackedBatch
+from specdistill.core.batch import PackedBatch, new_pack_buffers
 
 
 def pinned_block_bytes(nbytes: int) -> int:
@@ -59,8 +59,9 @@ class PinnedBuffers:
         self.bytes = 0  # held now
         self.peak_bytes = 0  # the most held at once (metrics.json pinned_pool_mib)
 
-    def __call__(self, tokens: int, layers: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        key = (tokens, layers, hidden, dtype)
+    def __call__(self, tokens: int, layers: int, hidden: int, dtype: torch.dtype, response_tokens: int = 0,
+                 response_layers: int = 0) -> dict[str, torch.Tensor]:
+        key = (tokens, layers, hidden, dtype, response_tokens, response_layers)
         with self._lock:
             reusable = next((i for i, (k, _, _) in enumerate(self._free) if k == key), None)
             if reusable is not None:
@@ -80,10 +81,8 @@ class PinnedBuffers:
         return buffers
 
     @staticmethod
-    def _allocate(tokens: int, layers: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return {"input_ids_T": torch.empty(tokens, dtype=torch.int64, pin_memory=True),
-                "loss_mask_T": torch.empty(tokens, dtype=torch.bool, pin_memory=True),
-                "hidden_TLD": torch.empty(tokens, layers, hidden, dtype=dtype, pin_memory=True)}
+    def _allocate(*shape) -> dict[str, torch.Tensor]:
+        return new_pack_buffers(*shape, pin_memory=True)
 
     def release(self, batch: PackedBatch, copied: torch.cuda.Event) -> None:
         """The pack's buffers go back to the pool; they are handed out again once `copied` has completed."""

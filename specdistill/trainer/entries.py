@@ -103,6 +103,7 @@ class Entry:
     validator: Any = None
     train_seconds: float = 0.0  # this entry's share of the steps' time
     steps: int = 0  # optimizer steps taken (less than the run's when it stopped early)
+    packs: int = 0  # packs stepped on by this process (anchors_per_pack; not checkpointed, as `totals`)
     last_loss: float = float("nan")
     stopped: dict | None = None  # {"step", "last_finite_loss", "loss", "why"} once its loss went non-finite
 

@@ -28,8 +28,8 @@ import numpy as np
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from specdistill.core.batch import PackAssembler, PackedBatch
-from specdistill.core.contract import FeatureSample, TokenizedRow
+from specdistill.core.batch import PackAssembler, PackedBatch, as_spec, shipped_tokens
+from specdistill.core.contract import FeatureSample, FeatureSpec, TokenizedRow
 from specdistill.core.rows import Rows, as_rows
 from specdistill.data.packing import DEFAULT_WINDOW, plan_packs
 from specdistill.feature_server.server import FeatureServer, StreamCancelled
@@ -65,7 +65,7 @@ class FeatureFeed:
     """
 
     def __init__(self, make_server: Callable[[], FeatureServer], rows: "Rows | Sequence[TokenizedRow]", *,
-                 token_budget: int, layer_ids: tuple[int, ...], grad_accum: int, prefetch: int, max_epochs: int,
+                 token_budget: int, spec: "FeatureSpec | tuple[int, ...]", grad_accum: int, prefetch: int, max_epochs: int,
                  start_epoch: int = 0, skip_row_ids: frozenset[int] = frozenset(),
                  eval_rows: Sequence[TokenizedRow] = (), pack_window: int = DEFAULT_WINDOW,
                  pad_to: int | None = None, copier: DeviceCopier | None = None):
@@ -73,7 +73,7 @@ class FeatureFeed:
             raise ValueError(f"trainer.prefetch_steps={prefetch}: need >= 1 (the packs of the next step)")
         self._make_server, self._rows, self._eval_rows = make_server, as_rows(rows), list(eval_rows)
         self._window, self._pad_to, self._copier = pack_window, pad_to, copier
-        self._budget, self._layer_ids, self._grad_accum = token_budget, layer_ids, grad_accum
+        self._budget, self._spec, self._grad_accum = token_budget, as_spec(spec), grad_accum
         self._max_epochs, self._start_epoch, self._skip = max_epochs, start_epoch, frozenset(skip_row_ids)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._eval_done = threading.Event()
@@ -168,10 +168,11 @@ class FeatureFeed:
     def _epoch_packs(self, skip: frozenset[int]):
         """This rank's rows of one epoch (minus `skip`), streamed in plan order and assembled into planned packs."""
         mine = self._server.select(self._rows, skip)
-        packs = plan_packs(mine.num_tokens, self._budget, self._window)
+        # Planned by the positions each row ships (its context suffix), not its length
+        packs = plan_packs(shipped_tokens(mine, self._spec), self._budget, self._window)
         ordered = mine.take(np.concatenate(packs) if packs else np.zeros(0, dtype=np.int64))
         buffers = {"buffers": self._copier.pool} if self._copier else {}
-        assembler = PackAssembler(ordered, [len(p) for p in packs], self._layer_ids, self._pad_to, **buffers)
+        assembler = PackAssembler(ordered, [len(p) for p in packs], self._spec, self._pad_to, **buffers)
         for sample in self._server.stream(ordered, sharded=False):
             pack = assembler.add(sample)
             self.max_open_packs = max(self.max_open_packs, assembler.open_packs + (pack is not None))
@@ -181,8 +182,9 @@ class FeatureFeed:
     def _extract_eval_rows(self) -> None:
         if self._eval_rows:
             for s in self._server.stream(self._eval_rows, sharded=False):  # cloned: views would pin the rings
-                self._eval_samples.append(replace(s, input_ids_T=s.input_ids_T.clone(),
-                                                  loss_mask_T=s.loss_mask_T.clone(), hidden_TLD=s.hidden_TLD.clone()))
+                self._eval_samples.append(replace(
+                    s, input_ids_T=s.input_ids_T.clone(), loss_mask_T=s.loss_mask_T.clone(),
+                    hidden_TLD=s.hidden_TLD.clone(), response_RLD=None if s.response_RLD is None else s.response_RLD.clone()))
         self._eval_done.set()
 
     def _put(self, item, force: bool = False) -> bool:

@@ -37,6 +37,8 @@ def entry_metrics(entry, report, selection_tau, split, selected: dict, export_di
         "acceptance_by_stage": ({s: c.to_dict() for s, c in sorted(report.by_stage.items())} if report else None),
         "num_speculative_tokens": entry.drafter.num_speculative_tokens,
         "training_seconds": entry.train_seconds,
+        # Anchor blocks scored per pack (DFlash family: sampled up to drafter.max_anchors; EAGLE-3, MTP: chains).
+        "anchors_per_pack": float(entry.totals.blocks) / max(1, entry.packs),
         "compiled_shapes": entry.static.count,
         "anchor_pad_fraction": entry.static.query_pad_fraction,
         "export_dir": str(export_dir),
@@ -45,7 +47,7 @@ def entry_metrics(entry, report, selection_tau, split, selected: dict, export_di
 
 def run_metrics(state, *, target, pack_tokens: int, wait_fraction: float, first_step_seconds, engine_loads: float,
                 eval_seconds: float, train_skips, heldout_skips, pad_packs: bool, pinned_pool_bytes: int,
-                max_open_packs: int) -> dict:
+                max_open_packs: int, positions: dict | None = None) -> dict:
     """The run's part: the stream of packs and what extracting it cost, once however many drafters trained."""
     return {
         "target": str(target.path),
@@ -56,7 +58,13 @@ def run_metrics(state, *, target, pack_tokens: int, wait_fraction: float, first_
         "packs": state.packs,
         "pack_tokens": pack_tokens,
         "pack_fill": state.train_tokens / max(1, state.packs * pack_tokens),
+        "rows_per_pack": state.train_rows / max(1, state.packs),
         "train_response_tokens": state.train_response_tokens,
+        # Pay only for what is read (docs/scaling.md "What ships"): target-state bytes shipped per response token
+        # trained, and response tokens trained per second of training steps (all drafters of the run).
+        "feature_bytes_per_response_token": state.feature_bytes / max(1, state.train_response_tokens),
+        "response_tokens_per_second": state.train_response_tokens / max(1e-9, state.train_seconds),
+        "positions": positions,
         "target_tokens_prefilled": state.target_tokens,
         "feature_extraction_seconds": state.feature_seconds,
         "feature_wait_seconds": state.feature_wait_seconds,

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from specdistill.core.batch import PackedBatch, pack
+from specdistill.core.batch import PackedBatch
 from specdistill.core.contract import FeatureSpec
 from specdistill.core.rows import as_rows
 from specdistill.core.run_dir import RunDir
@@ -50,7 +50,7 @@ from specdistill.trainer.optim import Optimizers
 from specdistill.trainer.report import entry_metrics, run_metrics, summary_lines
 from specdistill.trainer.tracking import Tracker
 from specdistill.trainer.validation import ValidationState, Validator, check_eval_settings, resolve_eval_every, usable_heldout
-from specdistill.evaluation.acceptance import target_tokens
+from specdistill.evaluation.acceptance import target_row
 from specdistill.evaluation.baselines import baseline_reports
 
 # Probe rows (training rows walked beside the held-out ones) get ids past any file's line count, so one feature
@@ -117,18 +117,21 @@ class Trainer:
         self.target = TargetInfo.load(target_dir)
         self._tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
         check_tokenizer_matches(self._tokenizer, {"vocab_size": self.target.vocab_size})
+        specs = resolve_entries(entries or [], drafter_cfg, trainer_cfg)
+        # Built before the data: what they read (their FeatureSpecs) decides which rows fit a pack. Prepared on the
+        # rows once those are loaded (_build_entry).
+        built = [self._built_drafter(spec.drafter) for spec in specs]
+        # The feature server ships the union of the entries' layers and positions once; each drafter takes its own.
+        self.spec = FeatureSpec.union([d.feature_spec() for d in built], server_cfg.hidden_dtype, server_cfg.positions)
+        self.spec.check_against(self.target.num_hidden_layers)
+        log.info("feature stream: %s", self.spec.describe())
         self._load_data(target_dir, train_path, heldout_path, data_cfg or DataConfig(),
                         Path(cache_dir or os.environ.get("SPECDISTILL_CACHE", ".cache/specdistill")))
         self.head = TargetHead(self.target).to(self.dist.device)
         self.autocast_dtype = _autocast_dtype(trainer_cfg.precision, self.dist.device)
-        specs = resolve_entries(entries or [], drafter_cfg, trainer_cfg)
         self.pad_packs = _pad_packs(trainer_cfg.pad_packs, self.dist.device, len(specs))
         self.several = bool(entries)  # drafters=[...]: export/<name>/ and per-drafter metrics, even for one entry
-        self.entries = [self._build_entry(spec) for spec in specs]
-        # The feature server ships the union of the entries' layers once; each drafter takes its own by id.
-        layer_ids = sorted(set().union(*(e.drafter.feature_spec().layer_ids for e in self.entries)))
-        self.spec = FeatureSpec(tuple(layer_ids), server_cfg.hidden_dtype)
-        self.spec.check_against(self.target.num_hidden_layers)
+        self.entries = [self._build_entry(spec, drafter) for spec, drafter in zip(specs, built)]
         _check_feature_capacity(server_cfg, self.layout.workers_per_rank, self.pack_tokens, self.spec,
                                 self.target.hidden_size)
         return dataset_fingerprint(
@@ -136,12 +139,18 @@ class Trainer:
             [(f"{e.name}.{n}", h) for e in self.entries for n, h in prepared_state_hashes(e.drafter)],
             self.dist.rank, run_settings(server_cfg.backend, server_cfg.hidden_dtype, resolved_config))
 
-    def _build_entry(self, spec: EntrySpec) -> Entry:
-        """One drafter as its solo run would start it: the global RNG reseeded with trainer.seed before it is built,
-        its own generator seeded as a solo run's (seed + rank). Wrapped, and given its own optimizers and schedule, once
-        the dataset check has passed (_wrap)."""
+    def _built_drafter(self, drafter_cfg):
+        """A drafter as its solo run builds it (the global RNG reseeded with trainer.seed first), not yet prepared."""
         torch.manual_seed(self.cfg.seed)
-        drafter = self._new_drafter(spec.drafter)
+        drafter = build_drafter(drafter_cfg, self.target, self._tokenizer)
+        drafter.compute = self.cfg.compute
+        return drafter
+
+    def _build_entry(self, spec: EntrySpec, drafter) -> Entry:
+        """One drafter as its solo run would start it: built (_built_drafter), prepared on the training rows, its own
+        generator seeded as a solo run's (seed + rank). Wrapped, and given its own optimizers and schedule, once the
+        dataset check has passed (_wrap)."""
+        drafter = self._prepared(drafter, spec.drafter)
         check_ablation(spec.trainer.feature_ablation, drafter.input_layer_ids(), self.target.num_hidden_layers)
         K = drafter.num_speculative_tokens
         return Entry(spec, drafter, drafter, None,
@@ -160,14 +169,17 @@ class Trainer:
                    cache_dir: Path) -> None:
         """The training and held-out rows from their token stores (tokenized once per node, memory-mapped), cut or
         skipped to fit a pack (specdistill/data/selection.py); stops here when too many rows would be skipped."""
-        # A pack holds trainer.token_budget tokens of rows laid end to end (positions restart per row); a row must
-        # fit a pack and the target's context, since the target prefills it whole.
+        # A pack holds trainer.token_budget positions of rows laid end to end: what each row ships (self.spec). The
+        # target prefills a row whole, so a row must fit its context; a row whose context layers ship whole must fit
+        # a pack too, while a windowed-only run takes rows longer than a pack whose shipped positions fit one
+        # (specdistill/data/selection.py; docs/scaling.md "What ships").
         self.pack_tokens = self.cfg.token_budget
-        self.row_tokens = min(self.target.max_position_embeddings, self.cfg.token_budget)
+        window = self.spec.context_window
         progress = self.cfg.progress and self.dist.is_main
-        self.rows, self.train_skips, store = load_selected(train_path, target_dir, cache_dir, self.row_tokens,
-                                                           data_cfg, progress)
-        check_skipped(store, self.train_skips, data_cfg.max_skipped_fraction, self.row_tokens, data_cfg.truncate,
+        self.rows, self.train_skips, store = load_selected(train_path, target_dir, cache_dir, self.cfg.token_budget,
+                                                           data_cfg, progress, window)
+        check_skipped(store, self.train_skips, data_cfg.max_skipped_fraction,
+                      min(self.target.max_position_embeddings, self.cfg.token_budget), data_cfg.truncate,
                       self.target.max_position_embeddings)
         if not len(self.rows):
             raise ValueError(f"{train_path}: no trainable rows ({self.train_skips.summary()})")
@@ -175,13 +187,15 @@ class Trainer:
         self.heldout_rows, self.heldout_skips, self.heldout_stages = as_rows([]), None, {}
         if heldout_path:
             held, self.heldout_skips, held_store = load_selected(heldout_path, target_dir, cache_dir,
-                                                                 self.row_tokens, data_cfg, progress)
+                                                                 self.cfg.token_budget, data_cfg, progress, window)
             if not len(held):
                 raise ValueError(f"{heldout_path}: no usable held-out row ({self.heldout_skips.summary()}); held-out "
                                  "rows need response tokens (loss_mask 1) and must fit trainer.token_budget")
             self.heldout_rows = usable_heldout(held, heldout_path)  # an index into the store, like the training rows
             self.heldout_stages = held_store.stages_by_row_id()
         self.heldout_path = heldout_path
+        # The longest row the target prefills (the vLLM engine's max_model_len - 1): the longest row selected.
+        self.row_tokens = int(max(self.rows.num_tokens.max(), self.heldout_rows.num_tokens.max(initial=0)))
 
     @property
     def _label(self) -> str:
@@ -250,7 +264,7 @@ class Trainer:
     def _make_feed(self, state: TrainState, eval_rows: list) -> FeatureFeed:
         """The run's feature feed, from where a resumed run stopped (its epoch, minus the rows trained on)."""
         return FeatureFeed(self._run_server, self.rows, token_budget=self.pack_tokens,
-                           layer_ids=self.spec.layer_ids, grad_accum=self.cfg.grad_accum,
+                           spec=self.spec, grad_accum=self.cfg.grad_accum,
                            prefetch=self.cfg.prefetch_steps, max_epochs=self.cfg.max_epochs, start_epoch=state.epoch,
                            skip_row_ids=frozenset(state.consumed_row_ids), eval_rows=eval_rows,
                            pad_to=self.pack_tokens if self.pad_packs else None, copier=self.copier).start()
@@ -340,6 +354,7 @@ class Trainer:
                     return
                 (out.loss * (packs.weight if real else 0.0)).backward()
             if real:
+                entry.packs += 1
                 losses.append(float(out.loss.detach()))
                 for metrics in (entry.window, entry.totals, entry.since_validation):
                     metrics.add(out)
@@ -354,7 +369,12 @@ class Trainer:
     def _count_batch(self, batch: PackedBatch, state: TrainState) -> None:
         state.train_tokens += batch.num_real_tokens  # padding is not counted (core/batch.py)
         state.packs += 1
+        state.train_rows += len(batch.row_ids)
         state.train_response_tokens += int(batch.loss_mask_T.sum())
+        # The states the workers shipped for these rows (token ids and masks, 9 bytes a token, left out)
+        position_layers = (batch.num_real_tokens * len(batch.layer_ids)
+                           + batch.num_response_positions * len(batch.response_layer_ids))
+        state.feature_bytes += position_layers * self.target.hidden_size * self.spec.torch_dtype.itemsize
         seen_twice = state.consumed_row_ids.intersection(batch.row_ids)
         if seen_twice or len(set(batch.row_ids)) != len(batch.row_ids):
             log.error("step %d: rows %s reached the trainer twice this epoch", state.step + 1, sorted(seen_twice)[:10])
@@ -483,13 +503,13 @@ class Trainer:
             held, probed = [], []
             ablation_rng = torch.Generator().manual_seed(self.cfg.seed)  # evaluated on what it was trained on
             for s in samples:
-                hidden = ablate_hidden(s.hidden_TLD, self.spec.layer_ids, entry.cfg.feature_ablation,
+                hidden = ablate_hidden(s.hidden_TLD, self.spec.context_layer_ids, entry.cfg.feature_ablation,
                                        entry.input_layer_ids, ablation_rng)
                 if s.row_id >= PROBE_ROW_OFFSET:
                     probed.append(replace(s, row_id=s.row_id - PROBE_ROW_OFFSET, hidden_TLD=hidden))
                 else:
                     held.append(replace(s, hidden_TLD=hidden))
-            entry.validator = Validator(held, probed, self.spec.layer_ids, self.dist.device, entry.validation,
+            entry.validator = Validator(held, probed, self.spec, self.dist.device, entry.validation,
                                         self.heldout_stages, static=entry.static)
 
     def _validate(self, entry: Entry, state: TrainState) -> None:
@@ -560,7 +580,8 @@ class Trainer:
                           eval_seconds=time.perf_counter() - eval_started, train_skips=self.train_skips,
                           heldout_skips=self.heldout_skips, pad_packs=self.pad_packs,
                           pinned_pool_bytes=self.copier.pool.peak_bytes if self.copier else 0,
-                          max_open_packs=self.feed.max_open_packs)
+                          max_open_packs=self.feed.max_open_packs,
+                          positions={"mode": self.server_cfg.positions, **self.spec.positions()})
         if self.several:
             metrics = {**run, "drafters": per_drafter, "baselines": baselines}
         else:  # one drafter: the flat metrics.json of README.md "The main job" (its steps and seconds are the run's)
@@ -581,12 +602,8 @@ class Trainer:
         validator = self.entries[0].validator
         if validator is None:
             return None
-        L, walked = self.target.num_hidden_layers, []
-        for s in validator.reported:
-            mask = s.loss_mask_T.long().tolist()
-            idx = [i for i, m in enumerate(mask) if m]
-            batch = pack([s], self.spec.layer_ids).to(self.dist.device, torch.float32)
-            walked.append((target_tokens(batch, self.head, L, idx[0], idx[-1] + 1), mask))
+        walked = [(target_row(s, self.spec, self.head, self.dist.device), s.loss_mask_T.long().tolist())
+                  for s in validator.reported]
         return baseline_reports(self.rows, walked, [e.drafter.num_speculative_tokens for e in self.entries])
 
     def _summed_over_ranks(self, state: TrainState) -> TrainState:
@@ -613,7 +630,9 @@ class Trainer:
     def _new_drafter(self, drafter_cfg):
         """A freshly initialised drafter (or one started from drafter.init_from), prepared on the training rows
         (EAGLE-3 picks its draft vocab, unless the export brings its own), on the device."""
-        drafter = build_drafter(drafter_cfg, self.target, self._tokenizer)
+        return self._prepared(build_drafter(drafter_cfg, self.target, self._tokenizer), drafter_cfg)
+
+    def _prepared(self, drafter, drafter_cfg):
         drafter.compute = self.cfg.compute
         drafter.prepare(self.rows)
         if getattr(drafter_cfg, "init_from", None):  # warm start: the export's weights (drafters/warm_start.py)

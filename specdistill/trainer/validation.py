@@ -48,16 +48,17 @@ class ValidationState:
 class Validator:
     """Rank 0's held-out walks. `heldout` and `probe` are lists of FeatureSamples owned by this object."""
 
-    def __init__(self, heldout: list, probe: list, layer_ids: tuple[int, ...], device: torch.device,
+    def __init__(self, heldout: list, probe: list, spec, device: torch.device,
                  state: ValidationState, stages: dict[int, str] | None = None, static=None):
-        """static: the run's fixed shapes (core/shapes.py): each walked row is laid out as a training pack is."""
-        self.heldout, self.probe, self.layer_ids, self.device = heldout, probe, layer_ids, device
+        """spec: what the samples ship (core/contract.py FeatureSpec); static: the run's fixed shapes (core/shapes.py):
+        each walked row is laid out over a length bucket (StaticShapes.walk_tokens)."""
+        self.heldout, self.probe, self.spec, self.device = heldout, probe, spec, device
         self.static = static
         self.state, self.stages = state, stages
         self.selection, self.reported = split_heldout(heldout)
 
     def walk(self, drafter, head, samples, stages=None):
-        return evaluate_as_served(drafter, head, samples, self.layer_ids, self.device, stages=stages,
+        return evaluate_as_served(drafter, head, samples, self.spec, self.device, stages=stages,
                                   static=self.static)
 
     def run(self, drafter, head, step: int, train_tokens: int, train_seconds: float,

@@ -9,7 +9,7 @@ def sample(row_id, n, L=2, D=4):
 
 
 def test_packs_keep_rows_whole_and_restart_positions():
-    packs = list(pack_stream([sample(0, 5), sample(1, 4), sample(2, 6), sample(3, 20)], token_budget=10, layer_ids=(1, 4)))
+    packs = list(pack_stream([sample(0, 5), sample(1, 4), sample(2, 6), sample(3, 20)], token_budget=10, spec=(1, 4)))
     assert [p.row_ids for p in packs] == [(0, 1), (2,), (3,)]  # an over-budget row gets a pack of its own
     first = packs[0]
     assert first.document_ids_T.tolist() == [0] * 5 + [1] * 4

@@ -43,7 +43,7 @@ def test_packs_assembled_from_shuffled_arrivals_equal_packing_in_plan_order():
     ordered = rows.take(np.concatenate(plan))
     samples = {r.row_id: FeatureSample(r.row_id, torch.tensor(r.input_ids), torch.tensor(r.loss_mask).bool(),
                                        torch.randn(r.num_tokens, 2, 4)) for r in ordered}
-    assembler = PackAssembler(ordered, [len(p) for p in plan], layer_ids=(1, 2))
+    assembler = PackAssembler(ordered, [len(p) for p in plan], spec=(1, 2))
     built = []
     for row_id in rng.permutation(list(samples)):
         done = assembler.add(samples[int(row_id)])

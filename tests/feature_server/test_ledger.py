@@ -32,7 +32,7 @@ def test_ledger_rejects_samples_that_break_the_contract():
     stranger = TokenizedRow(5, rows[0].input_ids, rows[0].loss_mask)
     with pytest.raises(FeatureWorkerError, match="row 5 is not in this rank's rows"):
         ledger.accept(_received(stranger, 0))
-    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden states shape"):
+    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden states of layers .* have shape"):
         ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 1, HIDDEN)))
     with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden dtype"):
         ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 3, HIDDEN, dtype=torch.bfloat16)))

@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch
 
-from specdistill.core.contract import FeatureSpec, TokenizedRow
+from specdistill.core.contract import FeatureSample, FeatureSpec, TokenizedRow
 from specdistill.feature_server import vllm_backend
 from specdistill.feature_server.hf_backend import HFBackend
 from specdistill.feature_server.shm_transport import LocalRegion, ShmChannel, segment_paths
@@ -225,3 +225,31 @@ def test_a_region_the_engine_cannot_write_fails_that_row_and_the_engine_keeps_se
         llama_backend.extract(rows)
     monkeypatch.undo()
     assert llama_backend.extract(rows)[0].shape == (9, len(ALL_LAYERS), 128)
+
+
+def test_the_engine_ships_only_the_positions_a_spec_reads(llama_backend, tiny_llama, monkeypatch):
+    """feature_server.positions=read: the connector gathers the context layers from WINDOW tokens before each row's
+    first response token and the last layer from that token - 1 (core/contract.py), and writes only those into the
+    ring; they equal the transformers backend's states there. Token ids and the loss mask ship whole."""
+    window, last = 4, ALL_LAYERS[-1]
+    spec = FeatureSpec(ALL_LAYERS, hidden_dtype="float32", context_window=window, response_layer_ids=(last,))
+    monkeypatch.setattr(llama_backend, "spec", spec)  # same engine and layers; only the positions change
+    rows = make_rows(llama_backend.vocab_size, lengths=(9, 16, 23))  # first response at 4, 8, 11: cut at 0, 4, 7
+    whole = dict(zip([r.row_id for r in rows], HFBackend(tiny_llama, FeatureSpec(ALL_LAYERS, "float32")).extract(rows)))
+    with ShmChannel(1 << 20, prefix=f"sdtest_{uuid.uuid4().hex[:10]}", handle_signals=False) as ch:
+        llama_backend.publish(rows, ch.producer(0), {"stream": 0})
+        for _ in rows:
+            msg = ch.get(timeout=60)
+            row = next(r for r in rows if r.row_id == msg.key)
+            spans = spec.row_spans(msg.tensors["loss_mask_T"])
+            sample = FeatureSample(msg.key, **msg.tensors, context_start=spans.context_start,
+                                   response_start=spans.response_start)
+            sample.check(spec, 128)  # what the trainer's ledger checks
+            first = row.num_tokens // 2  # make_rows: the second half is the response
+            assert (spans.context_start, spans.response_start) == (max(0, first - window), first - 1)
+            assert sample.input_ids_T.tolist() == list(row.input_ids)
+            ref = whole[row.row_id]  # fp32 engine vs fp32 transformers: summation order only
+            torch.testing.assert_close(sample.hidden_TLD, ref[spans.context_start:, :-1], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(sample.response_RLD, ref[spans.response_start:, -1:], rtol=1e-5, atol=1e-5)
+            del msg, sample
+        assert ch.bytes_in_flight() == 0

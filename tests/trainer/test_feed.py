@@ -54,7 +54,7 @@ def rows(n, first=0):
 
 
 def feed(server, data, **kw):
-    settings = dict(token_budget=8, layer_ids=LAYERS, grad_accum=1, prefetch=2, max_epochs=2)
+    settings = dict(token_budget=8, spec=LAYERS, grad_accum=1, prefetch=2, max_epochs=2)
     return FeatureFeed(lambda: server, data, **{**settings, **kw})
 
 
