@@ -191,7 +191,10 @@ def _as_shipped(sample: FeatureSample, spec: FeatureSpec) -> FeatureSample:
     as it is."""
     whole = (sample.response_RLD is None and sample.context_start == 0
              and tuple(sample.hidden_TLD.shape[:2]) == (sample.num_tokens, len(spec.layer_ids)))
-    return sample.shipped(spec) if whole and not spec.whole_rows else sample
+    if whole and not spec.whole_rows:
+        return sample.shipped(spec)
+    sample.check(spec, sample.hidden_TLD.shape[-1], dtype=False)  # cut for another spec: an error, not a wrong pack
+    return sample
 
 
 def pack_stream(

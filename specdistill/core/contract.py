@@ -152,8 +152,9 @@ class FeatureSample:
     def num_tokens(self) -> int:
         return self.input_ids_T.shape[0]
 
-    def check(self, spec: FeatureSpec, hidden_size: int) -> None:
-        """Validate a sample that crossed a process boundary (shapes, dtypes, ids, the positions shipped)."""
+    def check(self, spec: FeatureSpec, hidden_size: int, dtype: bool = True) -> None:
+        """Validate a sample that crossed a process boundary (shapes, dtypes unless dtype=False, ids, the positions
+        shipped)."""
         T = self.input_ids_T.shape[0]
         if self.loss_mask_T.shape != (T,) or self.input_ids_T.dtype != torch.int64:
             raise ValueError(f"row {self.row_id}: input_ids/loss_mask malformed ({self.input_ids_T.dtype}, {tuple(self.loss_mask_T.shape)} vs T={T})")
@@ -173,7 +174,7 @@ class FeatureSample:
                 got = None if tensor is None else tuple(tensor.shape)
                 raise ValueError(f"row {self.row_id}: {what} of layers {list(layers)} have shape {got}, expected "
                                  f"{want} (positions {T - positions}..{T - 1} of its {T} tokens)")
-            if tensor.dtype != spec.torch_dtype:
+            if dtype and tensor.dtype != spec.torch_dtype:
                 raise ValueError(f"row {self.row_id}: {what} dtype {tensor.dtype}, expected {spec.torch_dtype}")
 
     def shipped(self, spec: FeatureSpec) -> "FeatureSample":
