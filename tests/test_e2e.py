@@ -332,3 +332,25 @@ def test_ranks_with_uneven_shards_stop_together(parallel, grad_accum, steps, tmp
     assert metrics["steps"] == steps and metrics["samples_lost"] == metrics["samples_duplicated"] == 0
     assert metrics["packs"] == (15 if grad_accum == 2 else 14)  # one pack a step: rank 0's 8th is never trained
     assert metrics["heldout_curve"][-1]["step"] == steps
+
+
+@pytest.mark.slow
+def test_fp8_states_train_on_the_same_packs_for_about_half_the_bytes(tmp_path, cache_dir, tiny_target):
+    """feature_server.hidden_dtype=float8_e4m3fn against the default bf16, same seed and rows: the same packs, a
+    final loss within e4m3's noise, a held-out walk, and (D + 4) / 2D of the bytes per response token (1 byte a
+    value and a 4-byte scale per position and layer, against 2 bytes a value)."""
+    target_dir = tiny_target("tiny-llama")
+    hidden = json.loads((target_dir / "config.json").read_text())["hidden_size"]
+    metrics = {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        run_dir = tmp_path / dtype
+        run_train(["target=tiny-llama", *SMALL, "trainer.max_steps=2", f"feature_server.hidden_dtype={dtype}",
+                   f"hydra.run.dir={run_dir}"], cache_dir)
+        metrics[dtype] = json.loads(RunDir(run_dir).metrics.read_text())
+    bf16, fp8 = metrics["bfloat16"], metrics["float8_e4m3fn"]
+    for key in ("packs", "train_tokens", "train_response_tokens", "rows_per_pack"):
+        assert fp8[key] == bf16[key], key
+    assert fp8["feature_bytes_per_response_token"] == pytest.approx(
+        bf16["feature_bytes_per_response_token"] * (hidden + 4) / (2 * hidden), rel=1e-9)
+    assert fp8["final_loss"] == pytest.approx(bf16["final_loss"], rel=0.1)
+    assert fp8["heldout_drafts"] > 0 and fp8["tau_offline"] == pytest.approx(1 + sum(fp8["per_position_acceptance"]))

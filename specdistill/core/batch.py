@@ -11,6 +11,10 @@ What a pack holds of each row is what its spec ships (core/contract.py, docs/sca
   the last layer where no drafter reads it as input) in response_RLD; `response_slot_T` maps a position of T to its
   row of response_RLD (-1 where none shipped). `layer_at(layer, positions)` reads either kind.
 
+States shipped in fp8 (feature_server.hidden_dtype=float8_e4m3fn, core/contract.py) stay fp8 in a pack, their fp32
+scales beside them (hidden_scale_TL, response_scale_RL: one per position and layer), until `to` multiplies them back
+on the trainer's device; the readers (layers, layer_at) take a pack after that.
+
 A pack may be padded to a fixed length (`pad_to`, the run's token budget on CUDA: specdistill/core/shapes.py): the
 padding is one more document after the rows, with no loss, zero states and no row id, so no drafter trains on it
 or attends to it from a row; `real_tokens` counts the rows' positions only. Its response rows are padded to a bucket
@@ -23,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from specdistill.core.contract import FeatureSample, FeatureSpec
+from specdistill.core.contract import SCALE_DTYPE, STATES_FIELDS, FeatureSample, FeatureSpec, dequantise
 from specdistill.core.shapes import StaticShapes, anchor_bucket
 
 
@@ -47,6 +51,8 @@ class PackedBatch:
     response_layer_ids: tuple[int, ...] = ()
     response_slot_T: torch.Tensor | None = None  # int64: row of response_RLD of each position, -1 where none
     real_response: int | None = None  # response rows that are rows' (the rest padding)
+    hidden_scale_TL: torch.Tensor | None = None  # fp8 states only: fp32 scale of each position and layer, until `to`
+    response_scale_RL: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +73,7 @@ class PackedBatch:
 
     def layers(self, ids: Iterable[int]) -> torch.Tensor:
         """[T, len(ids), D] states of context layers at every position (vLLM convention)."""
+        self._check_unscaled()
         ids = list(ids)
         sparse = [i for i in ids if i in self.response_layer_ids]
         if sparse:
@@ -80,6 +87,7 @@ class PackedBatch:
     def layer_at(self, layer_id: int, positions_P: torch.Tensor) -> torch.Tensor:
         """[P, D] states of one layer at pack positions: a context layer anywhere, a response layer where it
         shipped (an error, not a wrong row, elsewhere)."""
+        self._check_unscaled()
         if layer_id in self.layer_ids:
             return self.hidden_TLD[positions_P, self.layer_ids.index(layer_id)]
         if layer_id not in self.response_layer_ids:
@@ -95,21 +103,29 @@ class PackedBatch:
             torch._assert_async((slots_P >= 0).all(), "a response layer was read where it did not ship")
         return self.response_RLD[slots_P, self.response_layer_ids.index(layer_id)]
 
+    def _check_unscaled(self) -> None:
+        if self.hidden_scale_TL is not None:
+            raise ValueError("this pack's states are fp8 with their scales beside them: read them after "
+                             ".to(device, dtype), which multiplies the scales back in")
+
     def to(self, device: torch.device, dtype: torch.dtype, non_blocking: bool = False) -> "PackedBatch":
-        """On `device`, states in `dtype`. A CUDA copy of a CPU pack should come from pinned memory in the pack's
-        own dtype, cast on the device (trainer/device_copy.py): a blocking copy with a dtype change converts on the
-        host first."""
+        """On `device`, states in `dtype` (fp8 states times their scales: the scales are then dropped). A CUDA copy
+        of a CPU pack should come from pinned memory in the pack's own dtype, cast on the device
+        (trainer/device_copy.py): a blocking copy with a dtype change converts on the host first."""
         moved = {name: t.to(device, non_blocking=non_blocking) for name, t in self.tensors().items()}
-        for name in ("hidden_TLD", "response_RLD"):
-            if name in moved:
-                moved[name] = moved[name].to(dtype)
-        return replace(self, **moved)
+        for states, scale in STATES_FIELDS:
+            if states in moved:
+                moved[states] = dequantise(moved[states], moved.pop(scale, None), dtype)
+        return replace(self, **moved, hidden_scale_TL=None, response_scale_RL=None)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"input_ids_T": self.input_ids_T, "loss_mask_T": self.loss_mask_T, "hidden_TLD": self.hidden_TLD,
                "document_ids_T": self.document_ids_T, "position_ids_T": self.position_ids_T}
         if self.response_RLD is not None:
             out |= {"response_RLD": self.response_RLD, "response_slot_T": self.response_slot_T}
+        for _, scale in STATES_FIELDS:
+            if getattr(self, scale) is not None:
+                out[scale] = getattr(self, scale)
         return out
 
 
@@ -156,34 +172,43 @@ def pack(samples: list[FeatureSample], spec: "FeatureSpec | Iterable[int]", pad_
     samples = [_as_shipped(s, spec) for s in samples]
     lengths = [s.num_tokens - s.context_start for s in samples]
     real, pad = sum(lengths), (pad_to - sum(lengths) if pad_to else 0)
-    first = samples[0]
-    device = first.input_ids_T.device
-    hidden = [s.hidden_TLD for s in samples]
-    if pad > 0:
-        hidden.append(first.hidden_TLD.new_zeros(pad, *first.hidden_TLD.shape[1:]))
+    device = samples[0].input_ids_T.device
     document_ids_T, position_ids_T = layout_ids(lengths, pad_to, device, [s.context_start for s in samples])
     zeros = lambda dtype: [torch.zeros(max(pad, 0), dtype=dtype, device=device)]  # noqa: E731
+    states = _cat_states(samples, *STATES_FIELDS[0], real + max(pad, 0))
     response = {}
     if spec.response_layer_ids:
         R_r = [s.num_tokens - s.response_start for s in samples]
-        response_RLD = torch.cat([s.response_RLD for s in samples])
-        padded = response_pad(sum(R_r), pad_to)
-        if padded > sum(R_r):
-            response_RLD = torch.cat([response_RLD, response_RLD.new_zeros(padded - sum(R_r), *response_RLD.shape[1:])])
-        response = {"response_RLD": response_RLD, "response_layer_ids": spec.response_layer_ids,
+        response = {**_cat_states(samples, *STATES_FIELDS[1], response_pad(sum(R_r), pad_to)),
+                    "response_layer_ids": spec.response_layer_ids,
                     "response_slot_T": response_slots(lengths, R_r, document_ids_T.shape[0], device),
                     "real_response": sum(R_r) if pad_to else None}
     return PackedBatch(
         input_ids_T=torch.cat([s.input_ids_T[s.context_start:] for s in samples] + zeros(torch.int64)),
         loss_mask_T=torch.cat([s.loss_mask_T[s.context_start:].bool() for s in samples] + zeros(torch.bool)),
-        hidden_TLD=torch.cat(hidden),
         document_ids_T=document_ids_T,
         position_ids_T=position_ids_T,
         layer_ids=spec.context_layer_ids,
         row_ids=tuple(s.row_id for s in samples),
         real_tokens=real if pad_to else None,
+        **states,
         **response,
     )
+
+
+def _cat_states(samples: list[FeatureSample], field: str, scale_field: str, rows: int) -> dict[str, torch.Tensor]:
+    """One states field of the samples laid end to end, and its fp8 scales if they have them, zero-padded to `rows`
+    (the padding has zero states, whatever their scale)."""
+    out = {}
+    for name in (field, scale_field):
+        parts = [getattr(s, name) for s in samples]
+        if parts[0] is None:
+            continue
+        stacked = torch.cat(parts)
+        if rows > stacked.shape[0]:
+            stacked = torch.cat([stacked, stacked.new_zeros(rows - stacked.shape[0], *stacked.shape[1:])])
+        out[name] = stacked
+    return out
 
 
 def _as_shipped(sample: FeatureSample, spec: FeatureSpec) -> FeatureSample:
@@ -217,13 +242,18 @@ def pack_stream(
 
 
 def new_pack_buffers(tokens: int, layers: int, hidden: int, dtype: torch.dtype, response_tokens: int = 0,
-                     response_layers: int = 0, pin_memory: bool = False) -> dict[str, torch.Tensor]:
-    """Host buffers of one pack (PackAssembler's default; trainer/device_copy.py's pool holds pinned ones)."""
+                     response_layers: int = 0, scaled: bool = False, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+    """Host buffers of one pack (PackAssembler's default; trainer/device_copy.py's pool holds pinned ones); scaled:
+    with the fp8 states' scale buffers."""
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, pin_memory=pin_memory)  # noqa: E731
     out = {"input_ids_T": empty(tokens, dtype=torch.int64), "loss_mask_T": empty(tokens, dtype=torch.bool),
            "hidden_TLD": empty(tokens, layers, hidden, dtype=dtype)}
     if response_layers:
         out["response_RLD"] = empty(response_tokens, response_layers, hidden, dtype=dtype)
+    if scaled:
+        for (states, scale), rows in zip(STATES_FIELDS, (tokens, response_tokens)):
+            if states in out:
+                out[scale] = empty(rows, out[states].shape[1], dtype=SCALE_DTYPE)
     return out
 
 
@@ -275,10 +305,11 @@ class PackAssembler:
         a, n = int(self._start[position]), int(self._shipped[position])
         pack["input_ids_T"][a:a + n] = sample.input_ids_T[sample.context_start:]
         pack["loss_mask_T"][a:a + n] = sample.loss_mask_T[sample.context_start:]
-        pack["hidden_TLD"][a:a + n] = sample.hidden_TLD
-        if self.spec.response_layer_ids:
-            r, m = int(self._rstart[position]), int(self._response[position])
-            pack["response_RLD"][r:r + m] = sample.response_RLD
+        r, m = int(self._rstart[position]), int(self._response[position])
+        for name in _STATES_AND_SCALES:  # those the spec ships: the pack has buffers for them
+            if name in pack:
+                at, count = (r, m) if name in _RESPONSE_AXIS else (a, n)
+                pack[name][at:at + count] = getattr(sample, name)
         pack["arrived"] += 1
         if pack["arrived"] < self._sizes[p]:
             return None
@@ -289,11 +320,11 @@ class PackAssembler:
     def _new_pack(self, p: int, sample: FeatureSample) -> dict:
         T = self.pad_to or int(self._pack_tokens[p])
         _, L, D = sample.hidden_TLD.shape
-        response = {}
+        shape = {"scaled": True} if self.spec.scaled else {}
         if self.spec.response_layer_ids:
-            response = {"response_tokens": response_pad(int(self._pack_response[p]), self.pad_to),
-                        "response_layers": len(self.spec.response_layer_ids)}
-        pack = {**self._buffers(T, L, D, sample.hidden_TLD.dtype, **response), "arrived": 0}
+            shape |= {"response_tokens": response_pad(int(self._pack_response[p]), self.pad_to),
+                      "response_layers": len(self.spec.response_layer_ids)}
+        pack = {**self._buffers(T, L, D, sample.hidden_TLD.dtype, **shape), "arrived": 0}
         self._open[p] = pack
         return pack
 
@@ -304,23 +335,28 @@ class PackAssembler:
         if self.pad_to is not None:  # the padding document: no loss, zero states (buffers are reused: set them)
             pack["input_ids_T"][real:] = 0
             pack["loss_mask_T"][real:] = False
-            pack["hidden_TLD"][real:] = 0
-            if self.spec.response_layer_ids:
-                pack["response_RLD"][real_response:] = 0
+            for name in _STATES_AND_SCALES:
+                if name in pack:
+                    pack[name][real_response if name in _RESPONSE_AXIS else real:] = 0
         document_ids_T, position_ids_T = layout_ids(lengths, self.pad_to,
                                                     starts=self._context_start[positions].tolist())
         response = {}
         if self.spec.response_layer_ids:
-            response = {"response_RLD": pack["response_RLD"], "response_layer_ids": self.spec.response_layer_ids,
+            response = {"response_layer_ids": self.spec.response_layer_ids,
                         "response_slot_T": response_slots(lengths, self._response[positions].tolist(),
                                                           document_ids_T.shape[0]),
                         "real_response": real_response if self.pad_to is not None else None}
         return PackedBatch(
-            input_ids_T=pack["input_ids_T"], loss_mask_T=pack["loss_mask_T"], hidden_TLD=pack["hidden_TLD"],
+            input_ids_T=pack["input_ids_T"], loss_mask_T=pack["loss_mask_T"],
             document_ids_T=document_ids_T, position_ids_T=position_ids_T, layer_ids=self.spec.context_layer_ids,
             row_ids=tuple(int(r) for r in np.asarray(self.rows.row_ids)[positions]),
-            real_tokens=real if self.pad_to is not None else None, **response,
+            real_tokens=real if self.pad_to is not None else None,
+            **{name: pack[name] for name in _STATES_AND_SCALES if name in pack}, **response,
         )
+
+
+_STATES_AND_SCALES = tuple(name for pair in STATES_FIELDS for name in pair)
+_RESPONSE_AXIS = STATES_FIELDS[1]  # response states and their scales: laid out on the response axis
 
 
 def shipped_starts(rows, spec: FeatureSpec) -> tuple[np.ndarray, np.ndarray]:

@@ -256,10 +256,7 @@ def evaluate_report(drafter, head, samples, spec, device, dtype, stages: dict[in
         shipped = sample.num_tokens - sample.context_start
         pad_to = static.walk_tokens(shipped) if static is not None and static.pad else None
         # The row crosses to the device as it is, its padding is made there, and its states are cast there.
-        moved = replace(sample, input_ids_T=sample.input_ids_T.to(device), loss_mask_T=sample.loss_mask_T.to(device),
-                        hidden_TLD=sample.hidden_TLD.to(device),
-                        response_RLD=None if sample.response_RLD is None else sample.response_RLD.to(device))
-        batch = replace(pack([moved], spec, pad_to).to(device, dtype), static=static)
+        batch = replace(pack([sample.to(device)], spec, pad_to).to(device, dtype), static=static)
         evaluate_sample(drafter, head, batch, counts, max_generated, temperature, draft_mode, seed)
     drafter.train(was_training)
     total = AcceptanceCounts(K=K)

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from specdistill.core.contract import FeatureSpec, TokenizedRow, cut_states
+from specdistill.core.contract import SCALE_DTYPE, STATES_FIELDS, FeatureSpec, TokenizedRow, cut_states, encode_states
 from specdistill.feature_server.shm_transport import ShmProducer
 
 # Listed explicitly; the key is what users type (feature_server.backend=hf).
@@ -26,7 +26,8 @@ BACKENDS: dict[str, str] = {
 
 class FeatureBackend(ABC):
     """Built once per worker process. `extract` returns, per row, hidden_TLD = [T, len(spec.layer_ids), D]
-    in spec.hidden_dtype on CPU, layers in spec.layer_ids order (vLLM layer-id convention, see specdistill/core/contract.py)."""
+    in spec.hidden_dtype on CPU (fp8: the values the trainer gets, in fp32: core/contract.py shipped_values), layers
+    in spec.layer_ids order (vLLM layer-id convention, see specdistill/core/contract.py)."""
 
     def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | None = None,
                  batch_tokens: int | None = None, max_row_tokens: int | None = None):
@@ -73,26 +74,28 @@ class FeatureBackend(ABC):
 
 def sample_layout(row: TokenizedRow, spec: FeatureSpec, hidden_size: int) -> dict[str, tuple]:
     """The fields of one row's sample as they cross to the trainer: name -> (dtype, shape) (ledger.py checks them).
-    Token ids and the loss mask cover the whole row; the states only the positions the spec ships."""
+    Token ids and the loss mask cover the whole row; the states only the positions the spec ships, each states
+    field followed by its scales where the states are fp8."""
     T = row.num_tokens
     spans = spec.row_spans(row.loss_mask)
-    layout = {"input_ids_T": (torch.int64, (T,)), "loss_mask_T": (torch.bool, (T,)),
-              "hidden_TLD": (spec.torch_dtype, (T - spans.context_start, len(spec.context_layer_ids), hidden_size))}
-    if spec.response_layer_ids:
-        layout["response_RLD"] = (spec.torch_dtype, (T - spans.response_start, len(spec.response_layer_ids),
-                                                     hidden_size))
+    layout = {"input_ids_T": (torch.int64, (T,)), "loss_mask_T": (torch.bool, (T,))}
+    shipped = [(T - spans.context_start, spec.context_layer_ids), (T - spans.response_start, spec.response_layer_ids)]
+    for (states, scale), (positions, layers) in zip(STATES_FIELDS, shipped):
+        if layers:
+            layout[states] = (spec.torch_dtype, (positions, len(layers), hidden_size))
+            if spec.scaled:
+                layout[scale] = (SCALE_DTYPE, (positions, len(layers)))
     return layout
 
 
 def sample_tensors(row: TokenizedRow, states_TLD: torch.Tensor, spec: FeatureSpec) -> dict[str, torch.Tensor]:
-    """One row's sample, laid out as sample_layout says, from its states of every position: cut where they are
-    (a GPU backend's device), then moved to the host in spec.hidden_dtype."""
-    hidden, response = cut_states(states_TLD, spec, spec.row_spans(row.loss_mask))
-    host = lambda t: t.to(device="cpu", dtype=spec.torch_dtype)  # noqa: E731
+    """One row's sample, laid out as sample_layout says, from its states of every position: cut and cast (fp8:
+    quantised) where they are (a GPU backend's device), then moved to the host."""
     out = {"input_ids_T": torch.tensor(row.input_ids, dtype=torch.int64),
-           "loss_mask_T": torch.tensor(row.loss_mask, dtype=torch.bool), "hidden_TLD": host(hidden)}
-    if response is not None:
-        out["response_RLD"] = host(response)
+           "loss_mask_T": torch.tensor(row.loss_mask, dtype=torch.bool)}
+    for (field, _), states in zip(STATES_FIELDS, cut_states(states_TLD, spec, spec.row_spans(row.loss_mask))):
+        if states is not None:
+            out |= {name: t.cpu() for name, t in encode_states(field, states, spec.hidden_dtype).items()}
     return out
 
 

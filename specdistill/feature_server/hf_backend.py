@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specdistill.core.contract import DTYPES, FeatureSpec, TokenizedRow
+from specdistill.core.contract import DTYPES, FeatureSpec, TokenizedRow, shipped_values
 from specdistill.feature_server.backends import FeatureBackend, check_row
 
 # Architectures whose decoder (model.model.layers + model.model.norm, plain residual stream from
@@ -54,7 +54,7 @@ class HFBackend(FeatureBackend):
         return self._hidden
 
     def extract(self, rows: list[TokenizedRow]) -> list[torch.Tensor]:
-        return [states.to(device="cpu", dtype=self.spec.torch_dtype) for states in self.row_states(rows)]
+        return [shipped_values(states, self.spec).cpu() for states in self.row_states(rows)]
 
     def row_states(self, rows: list[TokenizedRow]) -> list[torch.Tensor]:
         """On the model's device: a worker cuts them to what ships before they cross to the host (backends.py)."""

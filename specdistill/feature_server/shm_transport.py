@@ -56,7 +56,7 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.]+$")  # no '-': '<prefix>-*' must never 
 _DTYPES = {
     str(dt).removeprefix("torch."): dt
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-               torch.int16, torch.int8, torch.uint8, torch.bool)
+               torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn)
 }
 _SCALARS = (str, int, float, bool, type(None))
 _POLL_S = 0.01  # a blocked producer re-checks capacity at least this often

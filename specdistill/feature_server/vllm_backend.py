@@ -8,7 +8,8 @@ Hand-off, straight into shared memory: before submitting a row, the client (a fe
 region in its own ring (specdistill/feature_server/shm_transport.py; a private memfd for `extract`) and passes the region's
 `location` in the request's `kv_transfer_params`, with which positions and layers of its states ship (`state_cut`:
 the spec's suffixes, core/contract.py). `RingHiddenStatesConnector`, inside the engine process, gathers only those
-from the cache and writes them into that region (cast to spec.hidden_dtype on the way), then the prompt's token ids, which the client prefilled with -1 and checks against the row. No per-request file, no second
+from the cache and writes them into that region (cast to spec.hidden_dtype on the engine's device; fp8: quantised
+there, with their scales), then the prompt's token ids, which the client prefilled with -1 and checks against the row. No per-request file, no second
 copy: the worker publishes the region to the trainer with a control message. The write happens in the connector's
 `wait_for_save`, which vLLM calls after the step's target and draft forwards and before the step's outputs leave
 the engine (kv_connector/v1/base.py: "wait for saves to finish before returning"), so by the time `generate`
@@ -45,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-from specdistill.core.contract import FeatureSpec, TokenizedRow
+from specdistill.core.contract import FeatureSpec, TokenizedRow, dequantise, encode_states
 from specdistill.core.vllm_engine import max_row_tokens as row_limit
 from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine, target_text_config
 from specdistill.feature_server.backends import FeatureBackend, check_row, sample_layout
@@ -62,7 +63,7 @@ UNWRITTEN = -1  # token id the client prefills: still there after generate = the
 class _RegionWrite:
     req_id: str
     region: dict  # shm_transport location
-    cut: dict  # state_cut(): the positions and layer columns each states field of the region holds
+    cut: dict  # state_cut(): the dtype, and the positions and layer columns each states field of the region holds
     token_ids: list[int]
     block_ids: list[int]  # in the hidden-state cache group
 
@@ -133,8 +134,11 @@ class RingHiddenStatesConnector(ExampleHiddenStatesConnector):
         offsets = torch.arange(self._block_size, dtype=torch.long)
         T = len(write.token_ids)
         slots = (block_ids[:, None] * self._block_size + offsets[None, :]).flatten()[:T].to(self._kv_cache.device)
-        # Only the positions and layers the row ships are gathered (and so, on a GPU, copied to the host).
-        tensors = {name: _gather(self._kv_cache, slots, start, cols) for name, (start, cols) in write.cut.items()}
+        # Only the positions and layers the row ships are gathered, and cast (fp8: quantised) on the engine's device,
+        # so that on a GPU only the bytes that ship are copied to the host.
+        tensors = {}
+        for name, (start, cols) in write.cut["fields"].items():
+            tensors |= encode_states(name, _gather(self._kv_cache, slots, start, cols), write.cut["hidden_dtype"])
         # On a GPU this copies device -> the shared-memory region and waits for it: a deliberate sync, the region
         # must be complete before this step's outputs leave the engine. Token ids last: the client's check.
         with gpu_sync_allowed():
@@ -149,15 +153,15 @@ def _gather(kv_cache: torch.Tensor, slots_T: torch.Tensor, start: int, cols: lis
 
 
 def state_cut(row: TokenizedRow, spec: FeatureSpec) -> dict:
-    """What the connector writes of a row's captured states (spec.layer_ids, in order) into its region: per states
-    field, (first position, layer columns or None for all): the positions and layers `spec` ships
-    (core/contract.py)."""
+    """What the connector writes of a row's captured states (spec.layer_ids, in order) into its region: their
+    `hidden_dtype`, and per states field (`fields`), (first position, layer columns or None for all): the positions
+    and layers `spec` ships (core/contract.py)."""
     spans = spec.row_spans(row.loss_mask)
     cols = lambda ids: None if ids == spec.layer_ids else [spec.layer_ids.index(i) for i in ids]  # noqa: E731
-    cut = {"hidden_TLD": (spans.context_start, cols(spec.context_layer_ids))}
+    fields = {"hidden_TLD": (spans.context_start, cols(spec.context_layer_ids))}
     if spec.response_layer_ids:
-        cut["response_RLD"] = (spans.response_start, cols(spec.response_layer_ids))
-    return cut
+        fields["response_RLD"] = (spans.response_start, cols(spec.response_layer_ids))
+    return {"hidden_dtype": spec.hidden_dtype, "fields": fields}
 
 
 def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str,
@@ -196,7 +200,7 @@ class VLLMBackend(FeatureBackend):
     `max_row_tokens`, + 1 - the rule the data selection keeps rows to) bounds a row to max_model_len - 1 tokens:
     each row is prefilled in one piece, and vLLM counts the one token a request generates.
     `dtype` is the engine's compute dtype ("float32", "bfloat16"; None = the checkpoint's, see `resolve_dtype`); the
-    states are cast to `spec.hidden_dtype` as they are written. `device` must match the platform vLLM detected
+    states are cast to `spec.hidden_dtype` (fp8: quantised) as they are written. `device` must match the platform vLLM detected
     ("cpu" or "cuda").
     """
 
@@ -262,8 +266,8 @@ class VLLMBackend(FeatureBackend):
                 producer.publish(region, info={**info, "extract_s": extract_s})
 
     def extract(self, rows: list[TokenizedRow]) -> list[torch.Tensor]:
-        """Prefill every row once; states [T, L, D] of every position in spec.layer_ids order and spec.hidden_dtype
-        (for tools and tests; a run's workers publish only what the spec ships)."""
+        """Prefill every row once; states [T, L, D] of every position in spec.layer_ids order and spec.values_dtype
+        (fp8: multiplied back; for tools and tests; a run's workers publish only what the spec ships)."""
         self._check_rows(rows)
         whole = FeatureSpec(self.spec.layer_ids, self.spec.hidden_dtype)
         regions = [LocalRegion(row.row_id, self._sample_layout(row, whole, with_mask=False)) for row in rows]
@@ -272,7 +276,8 @@ class VLLMBackend(FeatureBackend):
         finally:
             for region in regions:
                 region.close()
-        return [region.tensors["hidden_TLD"] for region in regions]
+        return [dequantise(region.tensors["hidden_TLD"], region.tensors.get("hidden_scale_TL"), whole.values_dtype)
+                for region in regions]
 
     def _sample_layout(self, row: TokenizedRow, spec: FeatureSpec | None = None, with_mask: bool = True) -> dict:
         layout = sample_layout(row, spec or self.spec, self._hidden_size)

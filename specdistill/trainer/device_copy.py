@@ -60,8 +60,8 @@ class PinnedBuffers:
         self.peak_bytes = 0  # the most held at once (metrics.json pinned_pool_mib)
 
     def __call__(self, tokens: int, layers: int, hidden: int, dtype: torch.dtype, response_tokens: int = 0,
-                 response_layers: int = 0) -> dict[str, torch.Tensor]:
-        key = (tokens, layers, hidden, dtype, response_tokens, response_layers)
+                 response_layers: int = 0, scaled: bool = False) -> dict[str, torch.Tensor]:
+        key = (tokens, layers, hidden, dtype, response_tokens, response_layers, scaled)  # new_pack_buffers' order
         with self._lock:
             reusable = next((i for i, (k, _, _) in enumerate(self._free) if k == key), None)
             if reusable is not None:

@@ -26,7 +26,7 @@ import threading
 
 import numpy as np
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from specdistill.core.batch import PackAssembler, PackedBatch, as_spec, shipped_tokens
 from specdistill.core.contract import FeatureSample, FeatureSpec, TokenizedRow
@@ -182,9 +182,7 @@ class FeatureFeed:
     def _extract_eval_rows(self) -> None:
         if self._eval_rows:
             for s in self._server.stream(self._eval_rows, sharded=False):  # cloned: views would pin the rings
-                self._eval_samples.append(replace(
-                    s, input_ids_T=s.input_ids_T.clone(), loss_mask_T=s.loss_mask_T.clone(),
-                    hidden_TLD=s.hidden_TLD.clone(), response_RLD=None if s.response_RLD is None else s.response_RLD.clone()))
+                self._eval_samples.append(s.clone())
         self._eval_done.set()
 
     def _put(self, item, force: bool = False) -> bool:

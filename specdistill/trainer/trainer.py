@@ -371,10 +371,11 @@ class Trainer:
         state.packs += 1
         state.train_rows += len(batch.row_ids)
         state.train_response_tokens += int(batch.loss_mask_T.sum())
-        # The states the workers shipped for these rows (token ids and masks, 9 bytes a token, left out)
+        # The states the workers shipped for these rows, fp8 scales included (token ids and masks, 9 bytes a token,
+        # left out)
         position_layers = (batch.num_real_tokens * len(batch.layer_ids)
                            + batch.num_response_positions * len(batch.response_layer_ids))
-        state.feature_bytes += position_layers * self.target.hidden_size * self.spec.torch_dtype.itemsize
+        state.feature_bytes += position_layers * self.spec.bytes_per_state(self.target.hidden_size)
         seen_twice = state.consumed_row_ids.intersection(batch.row_ids)
         if seen_twice or len(set(batch.row_ids)) != len(batch.row_ids):
             log.error("step %d: rows %s reached the trainer twice this epoch", state.step + 1, sorted(seen_twice)[:10])
@@ -503,6 +504,8 @@ class Trainer:
             held, probed = [], []
             ablation_rng = torch.Generator().manual_seed(self.cfg.seed)  # evaluated on what it was trained on
             for s in samples:
+                if entry.cfg.feature_ablation != "none":  # ablated as the step ablates them: after the fp8 scales
+                    s = s.dequantised()
                 hidden = ablate_hidden(s.hidden_TLD, self.spec.context_layer_ids, entry.cfg.feature_ablation,
                                        entry.input_layer_ids, ablation_rng)
                 if s.row_id >= PROBE_ROW_OFFSET:
@@ -652,7 +655,7 @@ def _check_feature_capacity(server_cfg: FeatureServerConfig, workers: int, pack_
     """A worker writes a row's states into its ring and the feed copies them into the row's pack as soon as they
     arrive (specdistill/trainer/feed.py), so a ring must hold the longest row (a pack's worth of tokens) while the previous one
     is being copied out: 2 packs. Less makes the workers write one-off segments or wait on the trainer."""
-    pack = pack_tokens * len(spec.layer_ids) * hidden_size * spec.torch_dtype.itemsize
+    pack = pack_tokens * len(spec.layer_ids) * spec.bytes_per_state(hidden_size)
     ring = server_cfg.capacity_mb * 2**20 / workers
     if ring < 2 * pack:
         need = -(-2 * pack * workers // 2**20)

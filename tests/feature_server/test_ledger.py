@@ -1,5 +1,7 @@
 """SampleLedger: the trainer side's exactly-once bookkeeping and its checks on every sample (no processes)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,11 +17,13 @@ def _ledger():
     return rows, ledger
 
 
-def _received(row: TokenizedRow, worker: int, hidden_TLD=None) -> Received:
+def _received(row: TokenizedRow, worker: int, hidden_TLD=None, hidden_scale_TL=None) -> Received:
     if hidden_TLD is None:
         hidden_TLD = torch.zeros(row.num_tokens, len(SPEC.layer_ids), HIDDEN)
     tensors = {"input_ids_T": torch.tensor(row.input_ids), "loss_mask_T": torch.tensor(row.loss_mask).bool(),
                "hidden_TLD": hidden_TLD}
+    if hidden_scale_TL is not None:
+        tensors["hidden_scale_TL"] = hidden_scale_TL
     return Received("data", worker, row.row_id, {}, tensors)
 
 
@@ -34,7 +38,8 @@ def test_ledger_rejects_samples_that_break_the_contract():
         ledger.accept(_received(stranger, 0))
     with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden states of layers .* have shape"):
         ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 1, HIDDEN)))
-    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden dtype"):
+    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden states of layers .* are torch.bfloat16, "
+                                         "expected torch.float32"):
         ledger.accept(_received(rows[0], 0, torch.zeros(rows[0].num_tokens, 3, HIDDEN, dtype=torch.bfloat16)))
     int_mask = _received(rows[0], 0)
     int_mask.tensors["loss_mask_T"] = int_mask.tensors["loss_mask_T"].long()
@@ -47,6 +52,26 @@ def test_ledger_rejects_samples_that_break_the_contract():
     with pytest.raises(FeatureWorkerError, match=rf"reported done, but rows \[{rows[1].row_id}\]"):
         ledger.finished(0)
 
+
+def test_fp8_samples_must_carry_a_scale_per_position_and_layer():
+    spec = replace(SPEC, hidden_dtype="float8_e4m3fn")
+    rows = make_rows(2)
+    ledger = SampleLedger(spec, rows)
+    ledger.ready(0, {"num_hidden_layers": LAYERS, "hidden_size": HIDDEN})
+    ledger.assign(0, 2)
+    fp8 = lambda row: torch.zeros(row.num_tokens, 3, HIDDEN, dtype=torch.float8_e4m3fn)  # noqa: E731
+    with pytest.raises(FeatureWorkerError, match=rf"row {rows[0].row_id} carries fields .*expected .*hidden_scale_TL"):
+        ledger.accept(_received(rows[0], 0, fp8(rows[0])))
+    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: scales of its hidden states of layers .* have shape "
+                                         rf"\({rows[0].num_tokens}, 2\), expected \({rows[0].num_tokens}, 3\)"):
+        ledger.accept(_received(rows[0], 0, fp8(rows[0]), torch.ones(rows[0].num_tokens, 2)))
+    with pytest.raises(ValueError, match=rf"row {rows[0].row_id}: hidden states of layers .* are torch.float32"):
+        ledger.accept(_received(rows[0], 0, None, torch.ones(rows[0].num_tokens, 3)))
+    sample = ledger.accept(_received(rows[1], 0, fp8(rows[1]), torch.ones(rows[1].num_tokens, 3)))
+    assert sample.hidden_TLD.dtype == torch.float8_e4m3fn and sample.hidden_scale_TL.shape == (rows[1].num_tokens, 3)
+    with pytest.raises(ValueError, match=rf"row {rows[1].row_id}: carries scales of its hidden states, the spec ships "
+                                         "float32"):
+        replace(sample, hidden_TLD=sample.hidden_TLD.float()).check(SPEC, HIDDEN)  # nor a float32 stream's sample
 
 def test_ledger_reissues_a_dead_workers_rows_and_drops_late_duplicates():
     rows, ledger = _ledger()

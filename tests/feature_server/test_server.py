@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from specdistill.core.contract import TokenizedRow
+from specdistill.core.contract import FeatureSample, FeatureSpec, TokenizedRow
 from specdistill.feature_server.config import FeatureServerConfig
 from specdistill.feature_server.hf_backend import HFBackend
 from specdistill.feature_server.ledger import FeatureWorkerError, shard_rows
 from specdistill.feature_server.server import FeatureServer
 from specdistill.feature_server.shm_transport import segment_paths
-from tests.feature_server.rows import HIDDEN, LAYERS, SPEC, VOCAB, make_rows
+from tests.feature_server.rows import HIDDEN, LAYERS, SPEC, VOCAB, fp8_bound, make_rows
 
 
 def cfg(**settings) -> FeatureServerConfig:
@@ -265,3 +265,25 @@ def test_stream_is_for_run_servers_and_one_at_a_time(target):
     server = FeatureServer(target, SPEC, None, cfg())
     with pytest.raises(RuntimeError, match="build it with rows=None"):
         iter(server).__next__()
+
+
+def test_fp8_states_cross_with_their_scales_and_come_back_within_the_e4m3_bound(target, request):
+    """feature_server.hidden_dtype=float8_e4m3fn: the worker quantises each [position, layer] of what ships (here a
+    windowed context and a response layer), the ring carries 1 byte a value and the scales, and multiplied back
+    they are the target's fp32 states within e4m3's bound (core/contract.py quantise_fp8)."""
+    spec = FeatureSpec(SPEC.layer_ids, "float8_e4m3fn", context_window=2, response_layer_ids=(LAYERS,))
+    rows = make_rows(6)
+    exact = {r.row_id: h for r, h in zip(rows, HFBackend(target, SPEC).extract(rows))}  # fp32, whole rows
+    with FeatureServer(target, spec, rows, cfg(), shm_prefix=_prefix(request)) as server:
+        got = {s.row_id: s for s in server}
+        stats = server.stats()
+    assert set(got) == set(exact)
+    for row in rows:
+        sample = got[row.row_id]
+        assert sample.hidden_TLD.dtype == sample.response_RLD.dtype == torch.float8_e4m3fn
+        want = FeatureSample(row.row_id, sample.input_ids_T, sample.loss_mask_T, exact[row.row_id]).shipped(spec)
+        back = sample.dequantised()
+        for x_NLD, back_NLD in ((want.hidden_TLD, back.hidden_TLD), (want.response_RLD, back.response_RLD)):
+            assert ((back_NLD - x_NLD).abs() <= fp8_bound(x_NLD) + 1e-6).all(), row.row_id  # + the forwards' noise
+        assert sample.hidden_scale_TL.shape == sample.hidden_TLD.shape[:2]  # one fp32 scale a position and layer
+    assert stats["samples"] == len(rows) and segment_paths(_prefix(request)) == []

@@ -20,6 +20,7 @@ from specdistill.feature_server import vllm_backend
 from specdistill.feature_server.hf_backend import HFBackend
 from specdistill.feature_server.shm_transport import LocalRegion, ShmChannel, segment_paths
 from specdistill.feature_server.vllm_backend import VLLMBackend
+from tests.feature_server.rows import fp8_bound
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -253,3 +254,37 @@ def test_the_engine_ships_only_the_positions_a_spec_reads(llama_backend, tiny_ll
             torch.testing.assert_close(sample.response_RLD, ref[spans.response_start:, -1:], rtol=1e-5, atol=1e-5)
             del msg, sample
         assert ch.bytes_in_flight() == 0
+
+
+def test_fp8_states_are_quantised_in_the_engine_and_come_back_within_the_e4m3_bound(llama_backend, tiny_llama,
+                                                                                    monkeypatch):
+    """feature_server.hidden_dtype=float8_e4m3fn: the connector quantises what ships on the engine's device and
+    writes e4m3 values and a scale per position and layer into the ring; multiplied back (as the trainer's device
+    does) they are the transformers backend's fp32 states within e4m3's bound. extract() gives those values."""
+    last = ALL_LAYERS[-1]
+    spec = FeatureSpec(ALL_LAYERS, hidden_dtype="float8_e4m3fn", context_window=4, response_layer_ids=(last,))
+    monkeypatch.setattr(llama_backend, "spec", spec)  # same engine and layers; only what is written changes
+    rows = make_rows(llama_backend.vocab_size)
+    whole = dict(zip([r.row_id for r in rows], HFBackend(tiny_llama, FeatureSpec(ALL_LAYERS, "float32")).extract(rows)))
+
+    def assert_within_bound(got_NLD, ref_NLD):  # + the fp32 engine's own distance from transformers (1e-5)
+        slack_NLD = 1e-5 * (1 + ref_NLD.abs().amax(-1, keepdim=True))
+        assert ((got_NLD - ref_NLD).abs() <= fp8_bound(ref_NLD) + slack_NLD).all()
+
+    with ShmChannel(1 << 20, prefix=f"sdtest_{uuid.uuid4().hex[:10]}", handle_signals=False) as ch:
+        llama_backend.publish(rows, ch.producer(0), {"stream": 0})
+        for _ in rows:
+            msg = ch.get(timeout=60)
+            spans = spec.row_spans(msg.tensors["loss_mask_T"])
+            sample = FeatureSample(msg.key, **msg.tensors, context_start=spans.context_start,
+                                   response_start=spans.response_start)
+            sample.check(spec, 128)  # fp8 values, fp32 scales of the shipped positions and layers
+            assert sample.hidden_TLD.dtype == torch.float8_e4m3fn and sample.hidden_scale_TL is not None
+            back, ref = sample.dequantised(), whole[msg.key]
+            assert_within_bound(back.hidden_TLD, ref[spans.context_start:, :-1])
+            assert_within_bound(back.response_RLD, ref[spans.response_start:, -1:])
+            del msg, sample, back
+        assert ch.bytes_in_flight() == 0
+    extracted = llama_backend.extract(rows[:1])[0]
+    assert extracted.dtype == torch.float32 and extracted.shape == whole[rows[0].row_id].shape
+    assert_within_bound(extracted, whole[rows[0].row_id])

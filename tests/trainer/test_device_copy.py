@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from specdistill.core.batch import PackAssembler
+from specdistill.core.batch import PackAssembler, new_pack_buffers
 from specdistill.core.contract import FeatureSample, TokenizedRow
 from specdistill.core.rows import as_rows
 from specdistill.trainer.device_copy import (DeviceCopier, PinnedBuffers, on_device, pinned_block_bytes,
@@ -161,10 +161,8 @@ def test_the_pool_keeps_a_few_buffers_of_unpadded_lengths_not_one_per_pack():
 
     class Ordinary(PinnedBuffers):  # pageable memory: no CUDA here
         @staticmethod
-        def _allocate(tokens, layers, hidden, dtype):
-            return {"input_ids_T": torch.empty(tokens, dtype=torch.int64),
-                    "loss_mask_T": torch.empty(tokens, dtype=torch.bool),
-                    "hidden_TLD": torch.empty(tokens, layers, hidden, dtype=dtype)}
+        def _allocate(*shape):
+            return new_pack_buffers(*shape)
 
     pool = Ordinary()
     for tokens in [100 + i for i in range(30)] + [100, 100]:  # 30 lengths, then one seen before
