@@ -242,7 +242,8 @@ def pack_stream(
 
 
 def new_pack_buffers(tokens: int, layers: int, hidden: int, dtype: torch.dtype, response_tokens: int = 0,
-                     response_layers: int = 0, scaled: bool = False, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+                     response_layers: int = 0, scaled: bool = False,
+                     pin_memory: bool = False) -> dict[str, torch.Tensor]:
     """Host buffers of one pack (PackAssembler's default; trainer/device_copy.py's pool holds pinned ones); scaled:
     with the fp8 states' scale buffers."""
     empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, pin_memory=pin_memory)  # noqa: E731

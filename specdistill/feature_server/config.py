@@ -14,7 +14,9 @@ class FeatureServerConfig:
     # Tokens a worker hands the target per prefill call (as many whole rows as fit; a longer row goes alone): six
     # of the mission's ~5k-token rows per vLLM generate call, so prefill runs batched (docs/scaling.md).
     batch_tokens: int = 32768
-    hidden_dtype: str = DEFAULT_HIDDEN_DTYPE  # what crosses to the trainer (specdistill/core/contract.py)
+    # what crosses to the trainer (specdistill/core/contract.py): bfloat16, float32, float16, or float8_e4m3fn (a
+    # scale per position and layer beside the values)
+    hidden_dtype: str = DEFAULT_HIDDEN_DTYPE
     # read: each layer ships only the positions the run's drafters, the held-out walk and the baselines read (a
     # windowed drafter's context from its window before the first response token; the last layer from the first
     # response token - 1) | all: every position of every layer (the comparison). core/contract.py, docs/scaling.md

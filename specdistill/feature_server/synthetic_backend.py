@@ -3,9 +3,9 @@
 `feature_server.backend=synthetic` reads only the target's config.json (hidden size, layer count) and publishes,
 for each row, states of the right shape and dtype cut from one random buffer drawn once per worker: the worker's
 cost per row is the one copy into its shared-memory ring that a real backend's hand-off also makes (the vLLM
-connector writes the states there; with fp8 states, also their quantisation), so the trainer side (ring -> pack -> device -> step) is measured as a run
-takes it, at whatever feature supply the workers then reach. The states carry no information: a drafter trained on
-them learns nothing, and the trainer side does not look.
+connector writes the states there; with fp8 states, also their quantisation), so the trainer side (ring -> pack ->
+device -> step) is measured as a run takes it, at whatever feature supply the workers then reach. The states carry
+no information: a drafter trained on them learns nothing, and the trainer side does not look.
 """
 
 import json

@@ -9,8 +9,9 @@ region in its own ring (specdistill/feature_server/shm_transport.py; a private m
 `location` in the request's `kv_transfer_params`, with which positions and layers of its states ship (`state_cut`:
 the spec's suffixes, core/contract.py). `RingHiddenStatesConnector`, inside the engine process, gathers only those
 from the cache and writes them into that region (cast to spec.hidden_dtype on the engine's device; fp8: quantised
-there, with their scales), then the prompt's token ids, which the client prefilled with -1 and checks against the row. No per-request file, no second
-copy: the worker publishes the region to the trainer with a control message. The write happens in the connector's
+there, with their scales), then the prompt's token ids, which the client prefilled with -1 and checks against the
+row. No per-request file, no second copy: the worker publishes the region to the trainer with a control message.
+The write happens in the connector's
 `wait_for_save`, which vLLM calls after the step's target and draft forwards and before the step's outputs leave
 the engine (kv_connector/v1/base.py: "wait for saves to finish before returning"), so by the time `generate`
 returns a request's output its region is written; the outputs travel over vLLM's IPC (a socket), which orders the
@@ -200,8 +201,8 @@ class VLLMBackend(FeatureBackend):
     `max_row_tokens`, + 1 - the rule the data selection keeps rows to) bounds a row to max_model_len - 1 tokens:
     each row is prefilled in one piece, and vLLM counts the one token a request generates.
     `dtype` is the engine's compute dtype ("float32", "bfloat16"; None = the checkpoint's, see `resolve_dtype`); the
-    states are cast to `spec.hidden_dtype` (fp8: quantised) as they are written. `device` must match the platform vLLM detected
-    ("cpu" or "cuda").
+    states are cast to `spec.hidden_dtype` (fp8: quantised) as they are written. `device` must match the platform
+    vLLM detected ("cpu" or "cuda").
     """
 
     def __init__(self, target_dir: str, spec: FeatureSpec, device: str = "cpu", dtype: str | torch.dtype | None = None,
