@@ -127,7 +127,7 @@ def test_a_drafter_whose_loss_goes_non_finite_stops_and_the_others_go_on(data, t
     with trainer._server(trainer.rows[:3]) as server:
         from specdistill.core.batch import pack
 
-        batch = pack(list(server), trainer.spec.layer_ids)
+        batch = pack(list(server), trainer.spec)
     eagle = trainer.entries[1]
     real = eagle.model
     eagle.model = lambda b, head, gen: replace(real(b, head, gen), loss=torch.tensor(float("nan")))

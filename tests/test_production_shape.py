@@ -14,8 +14,8 @@ from tests.cli import run_train
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
-OVERRIDES = ["data=mission", "data.rows=60", "data.heldout_rows=6", "target=tiny-qwen3-next", "drafter=dflash",
-             "drafter.num_layers=1", "feature_server=vllm", "trainer.token_budget=32768", "trainer.max_steps=4",
+OVERRIDES = ["data=mission", "data.rows=32", "data.heldout_rows=3", "target=tiny-qwen3-next", "drafter=dflash",
+             "drafter.num_layers=1", "feature_server=vllm", "trainer.token_budget=32768", "trainer.max_steps=2",
              "trainer.eval_every=0", "trainer.progress=false"]
 
 
@@ -56,15 +56,15 @@ def test_mission_shaped_rows_train_in_full_32k_packs_with_none_skipped(tmp_path,
     run_train([*OVERRIDES, f"hydra.run.dir={run_dir}"], cache_dir)
     m = json.loads(RunDir(run_dir).metrics.read_text())
     train_skips = m["skipped_rows"]["train"]
-    assert train_skips["rows_seen"] == 60 and train_skips["rows_kept"] == 60 and train_skips["counts"] == {}
+    assert train_skips["rows_seen"] == 32 and train_skips["rows_kept"] == 32 and train_skips["counts"] == {}
     assert m["rows_truncated"] == 0 and m["pack_tokens"] == 32768
-    # The 4 packs trained are the first 4 the planner made from the positions these rows ship (data/packing.py).
+    # The 2 packs trained are the first 2 the planner made from the positions these rows ship (data/packing.py).
     positions = m["positions"]
     spec = FeatureSpec(tuple(sorted(positions["context_layer_ids"] + positions["response_layer_ids"])), "bfloat16",
                        positions["context_window"], tuple(positions["response_layer_ids"]))
     assert positions["mode"] == "read" and spec.context_window == 2048 and len(spec.response_layer_ids) == 1
     planned, whole, arrival, rows = _planned_and_arrival_order_packs(cache_dir, target_dir, spec)
-    assert m["packs"] == 4 and m["train_tokens"] == sum(planned[:4]), (m["train_tokens"], planned[:4])
+    assert m["packs"] == 2 and m["train_tokens"] == sum(planned[:2]), (m["train_tokens"], planned[:2])
     # Packed by what ships: >= 2x the rows of whole-row packs, and >= 2.5x fewer state bytes per response token
     assert m["rows_per_pack"] >= 2 * len(rows) / len(whole), (m["rows_per_pack"], len(whole))
     hidden = json.loads((target_dir / "config.json").read_text())["hidden_size"]

@@ -204,8 +204,8 @@ class FeatureSample:
         return replace(self, **{name: t.clone() for name, t in self.tensors().items()})
 
     def check(self, spec: FeatureSpec, hidden_size: int, dtype: bool = True) -> None:
-        """Validate a sample that crossed a process boundary (shapes, dtypes unless dtype=False, ids, the positions
-        shipped)."""
+        """Validate a sample that crossed a process boundary (shapes, dtypes and fp8 scales unless dtype=False, ids,
+        the positions shipped)."""
         T = self.input_ids_T.shape[0]
         if self.loss_mask_T.shape != (T,) or self.input_ids_T.dtype != torch.int64:
             raise ValueError(f"row {self.row_id}: input_ids/loss_mask malformed ({self.input_ids_T.dtype}, {tuple(self.loss_mask_T.shape)} vs T={T})")
@@ -225,10 +225,10 @@ class FeatureSample:
             where = f"layers {list(layers)} (positions {T - positions}..{T - 1} of its {T} tokens)"
             _check_tensor(f"row {self.row_id}: {what}", tensor, (positions, len(layers), hidden_size),
                           spec.torch_dtype if dtype else None, where)
-            if spec.scaled:
+            if spec.scaled and dtype:  # dtype=False: states already cast (dequantised), their scales gone
                 _check_tensor(f"row {self.row_id}: scales of its {what}", scale, (positions, len(layers)),
                               SCALE_DTYPE, where)
-            elif scale is not None:
+            elif scale is not None and not spec.scaled:
                 raise ValueError(f"row {self.row_id}: carries scales of its {what}, the spec ships "
                                  f"{spec.hidden_dtype}, which has none")
 
