@@ -15,7 +15,7 @@ Exits non-zero if training or serving fails, or the served tau is off the offlin
 Why slower here: a 2-core CPU runs the drafter's pass at a sizeable fraction of a target step for a target this
 small (small-real: 6 layers), and verifying K+1 tokens costs more than one, so a speculative step costs several
 target steps and emits tau tokens. On a GPU the target's step is memory-bound and verifying K+1 tokens costs about
-one step, which is where the speedup comes from: it is measured with `bench/turns.py` on the GPU node.
+one step, which is where the speedup comes from: it is measured with `specdistill/evaluation/turns.py` on the GPU node.
 """
 
 import json
@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from transformers import AutoTokenizer  # noqa: E402
 
 from specdistill.evaluation.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
-from bench.vllm_acceptance import identical_prefixes, served_vs_offline  # noqa: E402
+from specdistill.evaluation.served_acceptance import identical_prefixes, served_vs_offline  # noqa: E402
 from specdistill.core.run_dir import RunDir  # noqa: E402
 from specdistill.data.formats import load_rows  # noqa: E402
 from specdistill.trainer.validation import split_heldout, usable_heldout  # noqa: E402
@@ -140,7 +140,7 @@ def speed_lines(result: dict) -> list[str]:
         f"emitting {tau:.2f} tokens",
         "on these CPUs the drafter's passes and the wider verification cost more target steps than the accepted "
         "tokens save; on a GPU a target step is memory-bound and verifying K+1 tokens costs about one step: the "
-        "speedup is measured there with bench/turns.py (docs/quality.md, docs/scaling.md)",
+        "speedup is measured there with specdistill/evaluation/turns.py (docs/quality.md, docs/scaling.md)",
     ]
     return lines
 

@@ -19,7 +19,7 @@ Two ways to feed the step, per drafter:
   workers ship what the drafters read (`--positions read`, the default: feature_server.positions) or every position
   (`all`), and the planner packs by what ships (docs/scaling.md, "What ships"). A `+`-joined group
   (`dflash+dflash2`) is several drafters of one run: fed only, each steps in turn on the same packs.
-Every drafter runs with its production defaults (conf/drafter/*.yaml = the config dataclasses) and a step is the
+Every drafter runs with its production defaults (specdistill/conf/drafter/*.yaml = the config dataclasses) and a step is the
 trainer's (specdistill/trainer/trainer.py `_step`): the pack cast to fp32 on the device, bf16 autocast over fp32
 master weights, forward + loss + backward, gradient clip, Muon + AdamW step (specdistill/trainer/optim.py), zero_grad.
 

@@ -141,7 +141,7 @@ def composed_config(overrides: list[str]) -> dict:
     from specdistill.launch.config import register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(REPO / "specdistill" / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
     return OmegaConf.to_container(cfg, resolve=True)
 

@@ -10,7 +10,7 @@ register_configs()
 
 
 def compose_run(overrides):
-    with initialize(config_path="../conf", version_base=None):
+    with initialize(config_path="../specdistill/conf", version_base=None):
         return compose(config_name="config", overrides=overrides)
 
 
@@ -38,7 +38,7 @@ def test_target_path_overrides_name():
 
 
 def test_gpu1_layout_puts_the_worker_on_the_trainers_gpu():
-    """conf/layout/gpu1.yaml composes through the feature_server schema, whose share_trainer_device is a bool."""
+    """specdistill/conf/layout/gpu1.yaml composes through the feature_server schema, whose share_trainer_device is a bool."""
     cfg = compose_run(["layout=gpu1"])
     assert (cfg.trainer.ranks, cfg.trainer.device) == (1, "cuda")
     fs = cfg.feature_server

@@ -81,16 +81,16 @@ def _hydra_problems(args: list[str]) -> list[str]:
         if "." in key:
             keys.append(key)
             continue
-        if not (REPO / "conf" / key).is_dir():  # a top-level key (drafters=[...]): the composed config must take it
+        if not (REPO / "specdistill" / "conf" / key).is_dir():  # a top-level key (drafters=[...]): the composed config must take it
             values.append(arg)
             continue
         for option in value.split(","):  # a sweep: a,b
-            if not _is_placeholder(option) and not (REPO / "conf" / key / f"{option}.yaml").is_file():
-                problems.append(f"{key}={option}: no conf/{key}/{option}.yaml")
+            if not _is_placeholder(option) and not (REPO / "specdistill" / "conf" / key / f"{option}.yaml").is_file():
+                problems.append(f"{key}={option}: no specdistill/conf/{key}/{option}.yaml")
             elif not _is_placeholder(option):
                 groups.append(f"{key}={option}")
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(REPO / "specdistill" / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=list(dict.fromkeys(groups)) + values)
     for key in keys:
         if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":

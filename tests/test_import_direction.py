@@ -13,7 +13,7 @@ ALLOWED = {
     "data": {"core"},
     "drafters": {"core", "kernels"},
     "feature_server": {"core"},
-    "evaluation": {"core", "drafters"},
+    "evaluation": {"core", "data", "drafters", "feature_server"},
     "trainer": {"core", "kernels", "data", "drafters", "feature_server", "evaluation"},
     "launch": {"core", "kernels", "data", "drafters", "feature_server", "evaluation", "trainer"},
 }

@@ -1,6 +1,6 @@
 """Structured schemas for every config group, registered with Hydra's ConfigStore.
 
-Each group file in conf/ lists its schema first in its defaults, so an unknown or mistyped key fails
+Each group file in specdistill/conf/ lists its schema first in its defaults, so an unknown or mistyped key fails
 when the config is composed (torchtitan lost a run to `training.stpes`). Defaults live here, once.
 """
 
@@ -35,11 +35,11 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    cache_dir: str = MISSING  # tiny targets and synthetic data are built here once (conf/config.yaml)
+    cache_dir: str = MISSING  # tiny targets and synthetic data are built here once (specdistill/conf/config.yaml)
 
 
 def run_name(drafter_name: str, drafters) -> str:
-    """hydra.run.dir's drafter part (conf/config.yaml): the drafter, or the entries' names or kinds joined by '+'."""
+    """hydra.run.dir's drafter part (specdistill/conf/config.yaml): the drafter, or the entries' names or kinds joined by '+'."""
     if not drafters:
         return drafter_name
     return "+".join(e if isinstance(e, str) else str(e.get("name") or e.get("drafter")) for e in drafters)

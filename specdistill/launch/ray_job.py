@@ -38,7 +38,7 @@ from specdistill.launch.ranks import Store, die_with_parent, torchrun_env
 from specdistill.trainer.layout import plan_node
 
 log = logging.getLogger("specdistill.ray_job")
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 _POLL_S = 2.0
 _ACTOR_TIMEOUT_S = 300.0  # starting an actor or a call on it; a stuck cluster fails the job instead of hanging it
 

@@ -1,7 +1,7 @@
 """The main job: specdistill-train drafter=NAME target=NAME|target.path=DIR [key=value ...]
 (several drafters from one prefill: drafters=[NAME,NAME,...], specdistill/trainer/entries.py)
 
-Hydra composes conf/ (strict schemas, specdistill/launch/config.py), this builds the Trainer and runs it. The run
+Hydra composes specdistill/conf/ (strict schemas, specdistill/launch/config.py), this builds the Trainer and runs it. The run
 directory (hydra.run.dir) ends with export/ (export/<name>/ per drafter of a drafters=[...] run) and metrics.json;
 re-running with the same directory resumes from its last checkpoint.
 """
@@ -37,7 +37,7 @@ register_configs()
 
 
 # An absolute path: a console script (specdistill-train) has no calling file Hydra could resolve "../../conf" from.
-@hydra.main(config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="config", version_base=None)
+@hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> dict:
     os.umask(0o077)  # checkpoints, exports, logs and shared memory of a run are private to its user
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr

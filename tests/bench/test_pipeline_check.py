@@ -21,7 +21,7 @@ def test_the_gpu_command_is_the_cpu_reference_but_for_the_layout(tmp_path):
     cuda, cpu = (overrides(d, 200, 100, tmp_path, []) for d in ("cuda", "cpu"))
     assert [o for o in cuda if o not in LAYOUT["cuda"]] == [o for o in cpu if o not in LAYOUT["cpu"]]
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(REPO / "specdistill" / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[o for o in cuda if not o.startswith("hydra.")])
     assert cfg.feature_server.share_trainer_device and cfg.trainer.device == "cuda"
     run = (cfg.drafter.name, cfg.target.name, cfg.trainer.max_steps, cfg.trainer.seed)

@@ -23,7 +23,7 @@ FINAL = {"tau_offline": 2.5, "per_position_acceptance": [0.875, 0.5], "export_di
 
 
 def compose_run(overrides):
-    with initialize(config_path="../../conf", version_base=None):
+    with initialize(config_path="../../specdistill/conf", version_base=None):
         return compose(config_name="config", overrides=overrides)
 
 

@@ -1,6 +1,6 @@
 """Serving-side check: greedy outputs and vLLM's own acceptance counters for a target with or without a drafter.
 
-    python bench/vllm_serve.py --target DIR --drafter DIR --method dflash --prompts FILE.jsonl [--max-tokens 64]
+    python -m specdistill.evaluation.vllm_serve --target DIR --drafter DIR --method dflash --prompts FILE.jsonl [--max-tokens 64]
 
 runs the target alone, then with the drafter (one engine at a time) on the same prompts, and prints `name: value`
 lines, last: identical_outputs, tau_served, per_position_acceptance. FILE.jsonl holds one prompt per line as
@@ -41,11 +41,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from specdistill.data.chat import ChatFormat  # noqa: E402
-from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine  # noqa: E402
+from specdistill.data.chat import ChatFormat
+from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine
 
 COUNTER_NAMES = {
     "num_drafts": "vllm:spec_decode_num_drafts",

@@ -1,6 +1,6 @@
 """Lossless check: the same prompts at T=0 with and without speculation, per method.
 
-    python -m bench.lossless --target DIR --rows heldout.jsonl [--methods base,ngram,suffix,mtp,eagle3,dflash,dflash2]
+    python -m specdistill.evaluation.lossless --target DIR --rows heldout.jsonl [--methods base,ngram,suffix,mtp,eagle3,dflash,dflash2]
         [--drafter dflash=DIR --drafter eagle3=DIR ...] [--prompts 8] [--max-tokens 64] [--ngram-k 2] [--mtp-k 2]
 
 Reports per method: identical outputs (token for token, against the target alone), the broken-JSON rate over the
@@ -23,11 +23,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.prompts import read_prompts  # noqa: E402
-from bench.vllm_serve import serve  # noqa: E402
+from specdistill.evaluation.prompts import read_prompts
+from specdistill.evaluation.vllm_serve import serve
 
 METHODS = ("base", "ngram", "suffix", "mtp", "eagle3", "dflash", "dflash2")
 NEEDS_DRAFTER_DIR = ("eagle3", "dflash", "dflash2")

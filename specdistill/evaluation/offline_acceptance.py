@@ -1,6 +1,6 @@
 """Offline acceptance of trained drafters on held-out rows: JSON per drafter and per stage, plus one plot.
 
-    python -m bench.acceptance --run RUN_DIR [--run RUN_DIR2 ...] --rows heldout.jsonl --out DIR \
+    python -m specdistill.evaluation.offline_acceptance --run RUN_DIR [--run RUN_DIR2 ...] --rows heldout.jsonl --out DIR \
         [--drafter NAME ...] [--temperature 0] [--draft-mode greedy|sample] [--seed 0] [--max-rows N]
         [--max-tokens N] [--target DIR]
 
@@ -21,10 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from specdistill.core.run_dir import RunDir  # noqa: E402
+from specdistill.core.run_dir import RunDir
 
 
 def run_target(run_dir: Path) -> Path:
