@@ -33,15 +33,16 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from specdistill.evaluation.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
 from specdistill.evaluation.served_acceptance import identical_prefixes, served_vs_offline  # noqa: E402
+from specdistill.core.quiet import quiet_libraries  # noqa: E402
 from specdistill.core.run_dir import RunDir  # noqa: E402
 from specdistill.data.formats import load_rows  # noqa: E402
+from specdistill.launch.small_real import ASSET_DIR, CORPUS_DIR  # noqa: E402
 from specdistill.trainer.validation import split_heldout, usable_heldout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = Path("outputs/demo")
-TARGET = REPO / "specdistill/launch/assets/small-real"
-DATA = REPO / "specdistill/launch/assets/small-real-corpus"
-TRAIN, HELDOUT = DATA / "train.parquet", DATA / "heldout.parquet"
+TARGET = ASSET_DIR  # the committed small-real, as the installed package holds it
+TRAIN, HELDOUT = CORPUS_DIR / "train.parquet", CORPUS_DIR / "heldout.parquet"
 STEPS = 200
 # Twice the default learning rates: a 200-step run has no time for the defaults' pace (measured on these rows, 160
 # steps: held-out tau 3.35 vs 3.08 on the selection half).
@@ -52,7 +53,7 @@ EVAL_ROWS = 64  # trainer.eval_rows: held-out rows walked (the report half for t
 OVERRIDES = ["drafter=eagle3", "target=small-real", "data=jsonl", f"data.train_path={TRAIN}",
              f"data.heldout_path={HELDOUT}", f"trainer.max_steps={STEPS}", f"trainer.eval_every={STEPS // 4}",
              f"trainer.eval_rows={EVAL_ROWS}", "trainer.probe_rows=0", *FAST_LR, "trainer.progress=false",
-             f"hydra.run.dir={RUN_DIR}"]
+             f"trainer.log_every={STEPS // 4}", f"hydra.run.dir={RUN_DIR}"]
 SERVED_PROMPTS = 8  # timed twice one request at a time on 2 cores: keep the serving part near a minute
 MAX_SERVED_TOKENS = 48
 MAX_GAP_PCT = 5.0  # small-real is fp32: vLLM serves what the offline walk computes (docs/acceptance.md)
@@ -146,7 +147,10 @@ def speed_lines(result: dict) -> list[str]:
 
 
 def main() -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engines' start-up lines would bury the results
+    # Results, not the libraries' notices about this machine (specdistill/core/quiet.py); `make demo ARGS=--verbose`
+    # (or SPECDISTILL_VERBOSE=1) shows them all. Set before the training run and the engines start: they inherit it.
+    quiet_libraries("--verbose" in sys.argv)
+    sys.argv = [a for a in sys.argv if a != "--verbose"]
     started = time.perf_counter()
     m = train()
     trained = time.perf_counter()

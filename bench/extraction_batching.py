@@ -24,12 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omegaconf import OmegaConf  # noqa: E402
 
 from specdistill.core.contract import FeatureSpec  # noqa: E402
-from specdistill.data.config import DataConfig  # noqa: E402
 from specdistill.data.formats import load_rows  # noqa: E402
-from specdistill.launch.config import TargetConfig  # noqa: E402
+from specdistill.launch.config import TargetConfig, compose_config  # noqa: E402
 from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def batches(rows, batch_tokens: int):
@@ -66,9 +63,7 @@ def main() -> None:
 
     cache = Path(a.cache_dir)
     target_dir = resolve_target(TargetConfig(name=a.target), cache)
-    preset = OmegaConf.to_container(OmegaConf.load(REPO / "specdistill" / "conf" / "data" / f"{a.data}.yaml"))
-    preset.pop("defaults", None)
-    train, _ = resolve_data(DataConfig(**preset), target_dir, cache)
+    train, _ = resolve_data(OmegaConf.to_object(compose_config([f"data={a.data}"]).data), target_dir, cache)
     rows, _ = load_rows(train, AutoTokenizer.from_pretrained(str(target_dir)), 1 << 20)
     rows = rows[: a.rows]
     spec = FeatureSpec(tuple(int(i) for i in a.layers.split(",")), "bfloat16")

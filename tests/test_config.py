@@ -1,17 +1,9 @@
 """Configs are strict: a mistyped key fails at compose time, in files and on the command line."""
 
 import pytest
-from hydra import compose, initialize
 from omegaconf import OmegaConf
 
-from specdistill.launch.config import register_configs
-
-register_configs()
-
-
-def compose_run(overrides):
-    with initialize(config_path="../specdistill/conf", version_base=None):
-        return compose(config_name="config", overrides=overrides)
+from specdistill.launch.config import compose_config as compose_run
 
 
 def test_default_composes_to_typed_groups():

@@ -23,19 +23,15 @@ def _planned_and_arrival_order_packs(cache_dir, target_dir, spec):
     """The run's training rows (its own cached workload and token store) packed as the run plans them (by the
     positions `spec` ships), as whole rows would be planned, and as arrival-order packing of whole rows (the next row
     into the current pack while it fits) would have: (planned tokens per pack, whole plan, arrival tokens, rows)."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from specdistill.core.batch import shipped_tokens
     from specdistill.data.packing import plan_packs
     from specdistill.data.selection import load_selected
-    from specdistill.launch.config import register_configs
+    from specdistill.launch.config import compose_config
     from specdistill.launch.prepare import resolve_data
-    from tests.cli import REPO
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "specdistill" / "conf"), version_base=None):
-        data_cfg = OmegaConf.to_object(compose(config_name="config", overrides=OVERRIDES).data)
+    data_cfg = OmegaConf.to_object(compose_config(OVERRIDES).data)
     train_path, _ = resolve_data(data_cfg, target_dir, cache_dir)
     rows, _, _ = load_selected(train_path, target_dir, cache_dir, 32768, data_cfg, progress=False,
                                window=spec.context_window)

@@ -121,11 +121,11 @@ def llama_turns(tiny_target, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_benchmark_against_vllm_serve_at_one_and_two_users(llama_turns, tmp_path, capsys):
-    from specdistill.evaluation.turns import main
+    from specdistill.launch.evaluate import main
 
     target, rows = llama_turns
     out = tmp_path / "r.json"
-    assert main(["--target", str(target), "--rows", str(rows), "--method", "base", "--users", "1,2",
+    assert main(["turns", "--target", str(target), "--rows", str(rows), "--method", "base", "--users", "1,2",
                  "--repeats", "2", "--turns-per-user", "1", "--max-tokens", "6", "--json", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("turn_p50_s: ") and lines[-1].endswith("(base)")
