@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# bench/demo.py, a script of this repository (the package's commands are what it runs). ARGS=--verbose shows every
+# vLLM/transformers notice it hides; ARGS='trainer.max_steps=100' overrides a training setting.
 demo: $(STAMP)
-	$(PY) -m bench.demo
+	$(PY) -m bench.demo $(ARGS)
 
 # Two pytest-xdist workers, whole modules each (module-scoped engines stay shared): most of a test's time is one
 # process starting (an engine, a trainer), so two at once fill the two cores. TEST_WORKERS=0 runs in one process.

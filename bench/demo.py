@@ -15,7 +15,7 @@ Exits non-zero if training or serving fails, or the served tau is off the offlin
 Why slower here: a 2-core CPU runs the drafter's pass at a sizeable fraction of a target step for a target this
 small (small-real: 6 layers), and verifying K+1 tokens costs more than one, so a speculative step costs several
 target steps and emits tau tokens. On a GPU the target's step is memory-bound and verifying K+1 tokens costs about
-one step, which is where the speedup comes from: it is measured with `bench/turns.py` on the GPU node.
+one step, which is where the speedup comes from: it is measured with `specdistill/evaluation/turns.py` on the GPU node.
 """
 
 import json
@@ -32,16 +32,17 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from transformers import AutoTokenizer  # noqa: E402
 
 from specdistill.evaluation.baselines import BigramTable, PromptLookup, acceptance  # noqa: E402
-from bench.vllm_acceptance import identical_prefixes, served_vs_offline  # noqa: E402
+from specdistill.evaluation.served_acceptance import identical_prefixes, served_vs_offline  # noqa: E402
+from specdistill.core.quiet import quiet_libraries  # noqa: E402
 from specdistill.core.run_dir import RunDir  # noqa: E402
 from specdistill.data.formats import load_rows  # noqa: E402
+from specdistill.launch.small_real import ASSET_DIR, CORPUS_DIR  # noqa: E402
 from specdistill.trainer.validation import split_heldout, usable_heldout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = Path("outputs/demo")
-TARGET = REPO / "specdistill/launch/assets/small-real"
-DATA = REPO / "specdistill/launch/assets/small-real-corpus"
-TRAIN, HELDOUT = DATA / "train.parquet", DATA / "heldout.parquet"
+TARGET = ASSET_DIR  # the committed small-real, as the installed package holds it
+TRAIN, HELDOUT = CORPUS_DIR / "train.parquet", CORPUS_DIR / "heldout.parquet"
 STEPS = 200
 # Twice the default learning rates: a 200-step run has no time for the defaults' pace (measured on these rows, 160
 # steps: held-out tau 3.35 vs 3.08 on the selection half).
@@ -52,7 +53,7 @@ EVAL_ROWS = 64  # trainer.eval_rows: held-out rows walked (the report half for t
 OVERRIDES = ["drafter=eagle3", "target=small-real", "data=jsonl", f"data.train_path={TRAIN}",
              f"data.heldout_path={HELDOUT}", f"trainer.max_steps={STEPS}", f"trainer.eval_every={STEPS // 4}",
              f"trainer.eval_rows={EVAL_ROWS}", "trainer.probe_rows=0", *FAST_LR, "trainer.progress=false",
-             f"hydra.run.dir={RUN_DIR}"]
+             f"trainer.log_every={STEPS // 4}", f"hydra.run.dir={RUN_DIR}"]
 SERVED_PROMPTS = 8  # timed twice one request at a time on 2 cores: keep the serving part near a minute
 MAX_SERVED_TOKENS = 48
 MAX_GAP_PCT = 5.0  # small-real is fp32: vLLM serves what the offline walk computes (docs/acceptance.md)
@@ -140,13 +141,16 @@ def speed_lines(result: dict) -> list[str]:
         f"emitting {tau:.2f} tokens",
         "on these CPUs the drafter's passes and the wider verification cost more target steps than the accepted "
         "tokens save; on a GPU a target step is memory-bound and verifying K+1 tokens costs about one step: the "
-        "speedup is measured there with bench/turns.py (docs/quality.md, docs/scaling.md)",
+        "speedup is measured there with specdistill/evaluation/turns.py (docs/quality.md, docs/scaling.md)",
     ]
     return lines
 
 
 def main() -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engines' start-up lines would bury the results
+    # Results, not the libraries' notices about this machine (specdistill/core/quiet.py); `make demo ARGS=--verbose`
+    # (or SPECDISTILL_VERBOSE=1) shows them all. Set before the training run and the engines start: they inherit it.
+    quiet_libraries("--verbose" in sys.argv)
+    sys.argv = [a for a in sys.argv if a != "--verbose"]
     started = time.perf_counter()
     m = train()
     trained = time.perf_counter()

@@ -19,7 +19,7 @@ Two ways to feed the step, per drafter:
   workers ship what the drafters read (`--positions read`, the default: feature_server.positions) or every position
   (`all`), and the planner packs by what ships (docs/scaling.md, "What ships"). A `+`-joined group
   (`dflash+dflash2`) is several drafters of one run: fed only, each steps in turn on the same packs.
-Every drafter runs with its production defaults (conf/drafter/*.yaml = the config dataclasses) and a step is the
+Every drafter runs with its production defaults (specdistill/conf/drafter/*.yaml = the config dataclasses) and a step is the
 trainer's (specdistill/trainer/trainer.py `_step`): the pack cast to fp32 on the device, bf16 autocast over fp32
 master weights, forward + loss + backward, gradient clip, Muon + AdamW step (specdistill/trainer/optim.py), zero_grad.
 
@@ -46,7 +46,6 @@ default. `--small` shrinks the target (hidden 256, vocab 4096, pack 2048) so the
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -63,7 +62,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from specdistill.core.batch import PackedBatch, shipped_tokens  # noqa: E402
@@ -80,60 +78,9 @@ from specdistill.trainer.config import TrainerConfig  # noqa: E402
 from specdistill.trainer.device_copy import DeviceCopier, on_device  # noqa: E402
 from specdistill.trainer.feed import EpochEnd, FeatureFeed  # noqa: E402
 from specdistill.trainer.optim import Optimizers  # noqa: E402
+from bench.production_target import (DENSE_BF16_PEAK_TFLOPS, MASK_TOKEN_ID, PRODUCTION,  # noqa: E402
+                                     RESPONSE_TOKENS, ROWS_PER_PACK, SMALL, mission_pack, write_target)
 from bench.step_flops import pack_counts, step_flops  # noqa: E402
-
-# Qwen3.5-35B-A3B's text config (the fields the drafters read).
-PRODUCTION = dict(hidden_size=2048, num_hidden_layers=40, vocab_size=248320, num_attention_heads=16,
-                  num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
-                  moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144)
-SMALL = dict(hidden_size=256, num_hidden_layers=8, vocab_size=4096, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
-             shared_expert_intermediate_size=128, max_position_embeddings=32768)
-DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
-RESPONSE_TOKENS = 45
-ROWS_PER_PACK = 6
-MASK_TOKEN_ID = 3
-
-
-def write_target(path: Path, dims: dict, device) -> TargetInfo:
-    """config.json (qwen3_5_moe_text) + random embeddings, final norm and lm_head in bf16."""
-    L = dims["num_hidden_layers"]
-    config = dict(dims, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
-                  layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (L // 4),
-                  rms_norm_eps=1e-6, rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-                  mtp_num_hidden_layers=1, attn_output_gate=True, norm_topk_prob=True, tie_word_embeddings=False,
-                  dtype="bfloat16")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    g = torch.Generator(device).manual_seed(0)
-    V, D = dims["vocab_size"], dims["hidden_size"]
-
-    def table():  # drawn on the device: 2 x 509M values
-        return (torch.randn(V, D, generator=g, device=device, dtype=torch.bfloat16) * 0.02).cpu()
-
-    save_file({"model.embed_tokens.weight": table(), "model.norm.weight": torch.zeros(D, dtype=torch.bfloat16),
-               "lm_head.weight": table()}, path / "model.safetensors")
-    return TargetInfo.load(path)
-
-
-def mission_pack(info: TargetInfo, layer_ids: tuple, pack_tokens: int, device, seed: int = 0,
-                 response_tokens: int = RESPONSE_TOKENS) -> PackedBatch:
-    """ROWS_PER_PACK rows of uneven length filling `pack_tokens`, each ending in `response_tokens` scored tokens;
-    states in bf16 on the device, as the feed delivers them."""
-    shares = torch.tensor([1.00, 0.93, 1.08, 0.97, 1.04, 0.98])[:ROWS_PER_PACK]
-    lengths = (shares / shares.sum() * pack_tokens).long()
-    lengths[-1] += pack_tokens - int(lengths.sum())
-    g = torch.Generator().manual_seed(seed)
-    loss_mask = torch.cat([torch.arange(n) >= n - response_tokens for n in lengths.tolist()])
-    hidden = torch.randn(pack_tokens, len(layer_ids), info.hidden_size, generator=g, dtype=torch.bfloat16)
-    return PackedBatch(
-        input_ids_T=torch.randint(0, info.vocab_size, (pack_tokens,), generator=g).to(device),
-        loss_mask_T=loss_mask.to(device),
-        hidden_TLD=hidden.to(device),
-        document_ids_T=torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device),
-        position_ids_T=torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device),
-        layer_ids=tuple(layer_ids), row_ids=tuple(range(len(lengths))))
-
 
 def build(name: str, info: TargetInfo, device):
     """The drafter with its production defaults; DFlash-family layers random (their target layers are not in

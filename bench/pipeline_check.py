@@ -54,7 +54,7 @@ DOC = REPO / "docs/gpu.md"
 REFERENCE_LINE = re.compile(r"^pipeline_cpu_heldout_tau: (?P<tau>[0-9.]+)$", re.M)
 STEPS, KILL_AT = 200, 100
 TOLERANCE = 0.3  # absolute tau, GPU (bf16 autocast) vs CPU (fp32): the module docstring, docs/gpu.md
-LAYOUT = {"cuda": ["layout=gpu1"],  # conf/layout/gpu1.yaml: rank and worker on one GPU, transformers backend
+LAYOUT = {"cuda": ["layout=gpu1"],  # specdistill/conf/layout/gpu1.yaml: rank and worker on one GPU, transformers backend
           "cpu": ["layout=cpu", "trainer.device=cpu"]}
 KILL_DEADLINE_S = 600  # the first launch must reach its step --kill-at checkpoint within this
 

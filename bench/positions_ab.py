@@ -32,7 +32,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from bench.drafter_steps import PRODUCTION, SMALL, build, make_step, mission_rows, write_target  # noqa: E402
+from bench.drafter_steps import build, make_step, mission_rows  # noqa: E402
+from bench.production_target import PRODUCTION, SMALL, write_target  # noqa: E402
 from specdistill.core.batch import pack, shipped_starts, shipped_tokens  # noqa: E402
 from specdistill.core.contract import FeatureSample, FeatureSpec  # noqa: E402
 from specdistill.core.rows import as_rows  # noqa: E402

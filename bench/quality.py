@@ -135,14 +135,11 @@ def warm_start_lines(name: str, base: dict, scratch: dict, warm: dict) -> list[s
 def composed_config(overrides: list[str]) -> dict:
     """The resolved config `specdistill-train OVERRIDES` runs with (Hydra's compose; nothing runs), as
     run_info.json records it."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from specdistill.launch.config import register_configs
+    from specdistill.launch.config import compose_config
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[o for o in overrides if not o.startswith("hydra.")])
+    cfg = compose_config([o for o in overrides if not o.startswith("hydra.")])
     return OmegaConf.to_container(cfg, resolve=True)
 
 

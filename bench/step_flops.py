@@ -1,6 +1,6 @@
 """Analytic FLOPs of one drafter training step, for MFU: `python bench/step_flops.py [--drafters dflash,...]
 [--packs 6x45,6x171,24x45] [--step-ms dflash=124.5,...]` prints a table of them at the production geometry
-(bench/drafter_steps.py PRODUCTION; drafters built on the meta device: counts only, no GPU, no weights).
+(bench/production_target.py PRODUCTION; drafters built on the meta device: counts only, no GPU, no weights).
 
     counts = pack_counts(drafter, batch, generator)   # what the step will do on this pack (real tokens only)
     flops = step_flops(drafter, counts)               # {"model": ..., "executed": ..., "parts": {...}, ...}
@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.production_target import DENSE_BF16_PEAK_TFLOPS, MASK_TOKEN_ID, ROWS_PER_PACK, mission_pack  # noqa: E402
 from specdistill.core.batch import PackedBatch  # noqa: E402
 from specdistill.core.contract import FeatureSpec  # noqa: E402
 from specdistill.kernels.attention.chunked import document_starts  # noqa: E402
@@ -399,18 +400,16 @@ def muon_split(matrices: list[tuple[tuple[int, ...], float]], ranks: int) -> dic
 
 # --- production numbers (counts only) ---------------------------------------------------------------------------
 def production_target(path: Path):
-    """bench/drafter_steps.py's target directory at PRODUCTION geometry, config.json only: a meta-device build
+    """bench/production_target.py's target directory at PRODUCTION geometry, config.json only: a meta-device build
     reads nothing else, so its 2 x 509M-value random tables are neither drawn nor written."""
-    from bench import drafter_steps
+    from bench import production_target as geometry
 
-    with mock.patch.object(drafter_steps, "save_file"), mock.patch("torch.randn", lambda *a, **k: torch.zeros(0)):
-        return drafter_steps.write_target(path, drafter_steps.PRODUCTION, torch.device("cpu"))
+    with mock.patch.object(geometry, "save_file"), mock.patch("torch.randn", lambda *a, **k: torch.zeros(0)):
+        return geometry.write_target(path, geometry.PRODUCTION, torch.device("cpu"))
 
 
 def meta_drafter(name: str, info):
     """The drafter with its production defaults on the meta device (shapes only; as drafter_steps.build)."""
-    from bench.drafter_steps import MASK_TOKEN_ID
-
     overrides = {"init_from_target": False} if name in ("dflash", "dspark", "dflash2") else {}
     cfg = drafter_config(name, overrides)
     cls = DRAFTERS[name][1]
@@ -420,10 +419,8 @@ def meta_drafter(name: str, info):
 
 
 def mission_rows(rows: int, response_tokens: int, info) -> PackedBatch:
-    """`rows` rows of bench/drafter_steps.py's mission pack (6 rows of ~5.4k tokens, repeated), each ending in
+    """`rows` rows of bench/production_target.py's mission pack (6 rows of ~5.4k tokens, repeated), each ending in
     `response_tokens` scored tokens; no target states (counts only)."""
-    from bench.drafter_steps import ROWS_PER_PACK, mission_pack
-
     if rows % ROWS_PER_PACK:
         raise ValueError(f"rows={rows}: a multiple of the mission pack's {ROWS_PER_PACK} rows")
     one = mission_pack(info, (), 32768, torch.device("cpu"))  # states [T, 0, D]: nothing drawn
@@ -461,8 +458,6 @@ def shipped_rows(spec: FeatureSpec, response_tokens: int, info) -> PackedBatch:
 
 
 def main():
-    from bench.drafter_steps import DENSE_BF16_PEAK_TFLOPS
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafters", default="dflash,mtp,eagle3,dspark,dflash2")
     ap.add_argument("--packs", default="6x45,6x171,24x45",

@@ -2,7 +2,7 @@
 test_dspark.py and test_dflash2.py on a GPU).
 
 `served_run` serves a trained run's export on vLLM next to the target alone and walks the offline evaluator over
-vLLM's own base outputs (bench.vllm_acceptance.served_vs_offline), so the two sets of counters describe the same
+vLLM's own base outputs (specdistill.evaluation.served_acceptance.served_vs_offline), so the two sets of counters describe the same
 decode path: equal on fp32 tiny-llama, within 5% on bf16 tiny-qwen3-next (docs/acceptance.md, docs/vllm.md).
 
 The served runs of one target share their prompts (the first held-out rows of one workload), so the target alone
@@ -16,9 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-from bench.prompts import read_prompts
-from bench.vllm_acceptance import served_vs_offline
-from bench.vllm_serve import ServeResult, serve
+from specdistill.evaluation.prompts import read_prompts
+from specdistill.evaluation.served_acceptance import served_vs_offline
+from specdistill.evaluation.vllm_serve import ServeResult, serve
 from specdistill.core.run_dir import RunDir
 from specdistill.evaluation.reload import drafter_metrics
 
@@ -64,7 +64,7 @@ def served_run(name: str, run_dir: Path, target_dir: Path, method: str, target_a
 def assert_lossless(served: dict) -> None:
     """fp32 llama: every prompt identical. bf16 targets: a prompt may differ only where the first differing token
     is a near-tie of the base run's logits, scored by the fp32 reference (docs/acceptance.md, "Near-ties")."""
-    from bench.lossless import Reference
+    from specdistill.evaluation.lossless import Reference
 
     base = [o[:MAX_TOKENS] for o in served["base"].output_token_ids]
     spec = served["spec"].output_token_ids

@@ -1,17 +1,9 @@
 """Configs are strict: a mistyped key fails at compose time, in files and on the command line."""
 
 import pytest
-from hydra import compose, initialize
 from omegaconf import OmegaConf
 
-from specdistill.launch.config import register_configs
-
-register_configs()
-
-
-def compose_run(overrides):
-    with initialize(config_path="../conf", version_base=None):
-        return compose(config_name="config", overrides=overrides)
+from specdistill.launch.config import compose_config as compose_run
 
 
 def test_default_composes_to_typed_groups():
@@ -38,7 +30,7 @@ def test_target_path_overrides_name():
 
 
 def test_gpu1_layout_puts_the_worker_on_the_trainers_gpu():
-    """conf/layout/gpu1.yaml composes through the feature_server schema, whose share_trainer_device is a bool."""
+    """specdistill/conf/layout/gpu1.yaml composes through the feature_server schema, whose share_trainer_device is a bool."""
     cfg = compose_run(["layout=gpu1"])
     assert (cfg.trainer.ranks, cfg.trainer.device) == (1, "cuda")
     fs = cfg.feature_server

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from hydra._internal.utils import get_args_parser
 from omegaconf import OmegaConf
 
 from tests.cli import REPO
@@ -17,6 +18,8 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COMMAND = re.compile(r"(?:python3? (?P<target>-m [\w.]+|[\w/]+\.py)|(?<![\w/.-])(?P<script>specdistill-[a-z][\w-]*))"
                      r"(?P<args>[^`|]*)")
 HYDRA_ENTRY_POINTS = ("specdistill.launch.train", "specdistill.launch.ray_job")
+HYDRA_FLAGS = {o for a in get_args_parser()._actions for o in a.option_strings}  # --config-dir, --cfg, --info, ...
+COMMON_FLAGS = (REPO / "specdistill" / "launch" / "command.py").read_text()  # --version, --verbose of every command
 # console script -> "-m MODULE" (pyproject.toml [project.scripts])
 SCRIPTS = {name: "-m " + entry.split(":")[0]
            for name, entry in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"].items()}
@@ -69,11 +72,11 @@ def _is_placeholder(value: str) -> bool:
 
 def _hydra_problems(args: list[str]) -> list[str]:
     """Group options that have no conf file, dotted keys the composed config lacks."""
-    from hydra import compose, initialize_config_dir
+    from specdistill.launch.config import compose_config
 
-    from specdistill.launch.config import register_configs
-
+    conf = REPO / "specdistill" / "conf"
     problems, groups, keys, values = [], [], [], []
+    users_dir = "--config-dir" in args  # group options may be the user's own files there (docs/launching.md)
     for arg in args:
         if "=" not in arg or arg.startswith(("-", "hydra.", "+")):
             continue
@@ -81,17 +84,17 @@ def _hydra_problems(args: list[str]) -> list[str]:
         if "." in key:
             keys.append(key)
             continue
-        if not (REPO / "conf" / key).is_dir():  # a top-level key (drafters=[...]): the composed config must take it
+        if not (conf / key).is_dir():  # a top-level key (drafters=[...]): the composed config must take it
             values.append(arg)
             continue
         for option in value.split(","):  # a sweep: a,b
-            if not _is_placeholder(option) and not (REPO / "conf" / key / f"{option}.yaml").is_file():
-                problems.append(f"{key}={option}: no conf/{key}/{option}.yaml")
+            if users_dir and not (conf / key / f"{option}.yaml").is_file():
+                continue
+            if not _is_placeholder(option) and not (conf / key / f"{option}.yaml").is_file():
+                problems.append(f"{key}={option}: no specdistill/conf/{key}/{option}.yaml")
             elif not _is_placeholder(option):
                 groups.append(f"{key}={option}")
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=list(dict.fromkeys(groups)) + values)
+    cfg = compose_config(list(dict.fromkeys(groups)) + values)
     for key in keys:
         if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
             problems.append(f"{key}: no such config key")
@@ -111,9 +114,10 @@ def test_a_quoted_command_names_what_exists(where, target, args):
     source = _source(target)
     assert source.is_file(), f"{where}: {target} does not exist"
     text = source.read_text()
-    problems = [f"{a}: not a flag of {target}" for a in args
-                if a.startswith("--") and f'"{a.split("=")[0]}"' not in text]
     module = target[3:] if target.startswith("-m ") else None
+    own = HYDRA_FLAGS if module in HYDRA_ENTRY_POINTS else {"--help"}  # argparse's --help is every command's
+    flags = [a.split("=")[0] for a in args if a.startswith("--")]
+    problems = [f"{f}: not a flag of {target}" for f in flags if f'"{f}"' not in text + COMMON_FLAGS and f not in own]
     if module in HYDRA_ENTRY_POINTS:
         problems += _hydra_problems(args)
     elif module == "specdistill.launch.regenerate":

@@ -1,4 +1,4 @@
-"""The mission's shape on CPU: ~5k-token chat prompts and ~45-token JSON responses (conf/data/mission.yaml) in
+"""The mission's shape on CPU: ~5k-token chat prompts and ~45-token JSON responses (specdistill/conf/data/mission.yaml) in
 32,768-token packs, extracted by real vLLM workers from a tiny hybrid target, trained through the CLI. DFlash reads its
 context 2,048 tokens back from a row's first response token: the workers ship only that (feature_server.positions=
 read), and the planner packs by it, ~15 rows a pack instead of ~6."""
@@ -23,19 +23,15 @@ def _planned_and_arrival_order_packs(cache_dir, target_dir, spec):
     """The run's training rows (its own cached workload and token store) packed as the run plans them (by the
     positions `spec` ships), as whole rows would be planned, and as arrival-order packing of whole rows (the next row
     into the current pack while it fits) would have: (planned tokens per pack, whole plan, arrival tokens, rows)."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from specdistill.core.batch import shipped_tokens
     from specdistill.data.packing import plan_packs
     from specdistill.data.selection import load_selected
-    from specdistill.launch.config import register_configs
+    from specdistill.launch.config import compose_config
     from specdistill.launch.prepare import resolve_data
-    from tests.cli import REPO
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        data_cfg = OmegaConf.to_object(compose(config_name="config", overrides=OVERRIDES).data)
+    data_cfg = OmegaConf.to_object(compose_config(OVERRIDES).data)
     train_path, _ = resolve_data(data_cfg, target_dir, cache_dir)
     rows, _, _ = load_selected(train_path, target_dir, cache_dir, 32768, data_cfg, progress=False,
                                window=spec.context_window)

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from bench.vllm_serve import serve
+from specdistill.evaluation.vllm_serve import serve
 from specdistill.core.run_dir import RunDir
 from specdistill.evaluation.reload import drafter_metrics
 from tests.serving_helpers import (MAX_TOKENS, SERVED_TRAIN, assert_acceptance_matches_offline, assert_lossless,

@@ -1,4 +1,4 @@
-"""Data settings: the single place their defaults are stated (conf/data/*.yaml only overrides)."""
+"""Data settings: the single place their defaults are stated (specdistill/conf/data/*.yaml only overrides)."""
 
 from dataclasses import dataclass
 from typing import Any

@@ -28,7 +28,7 @@ STAGE_CALLS: dict[str, int] = {
 }
 STAGES = tuple(STAGE_CALLS)
 CALLS_PER_MESSAGE = sum(STAGE_CALLS.values())
-DEFAULT_PROMPT_TOKENS = 400  # CPU-sized; production prompts are ~5k tokens (conf/data/mission.yaml)
+DEFAULT_PROMPT_TOKENS = 400  # CPU-sized; production prompts are ~5k tokens (specdistill/conf/data/mission.yaml)
 MAX_SPREAD_FACTOR = 3  # with a prompt spread, no prompt is longer than 3 x prompt_tokens
 
 CATEGORIES: dict[str, dict[str, list[str]]] = {

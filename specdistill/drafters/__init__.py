@@ -1,6 +1,6 @@
 """Drafter registry: the key users type (`drafter=NAME`) -> (config dataclass, module class).
 
-Adding a drafter = one module here + one file in conf/drafter/. Listed explicitly, no import magic.
+Adding a drafter = one module here + one file in specdistill/conf/drafter/. Listed explicitly, no import magic.
 """
 
 from dataclasses import fields

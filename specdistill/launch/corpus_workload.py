@@ -7,10 +7,11 @@
 import argparse
 
 from specdistill.data.corpus_workload import CorpusWorkload, make_corpus_workload
+from specdistill.launch.command import common_flags, start
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common_flags(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--out", required=True)
     d = CorpusWorkload()
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", default=d.backend, choices=("auto", "vllm", "hf"))
     p.add_argument("--format", default="jsonl", choices=("jsonl", "parquet"),
                    help="parquet: ids only, compact enough to commit (the demo's rows)")
-    a = p.parse_args(argv)
+    a = start(p.parse_args(argv))
     cfg = CorpusWorkload(a.rows, a.heldout, a.prompt_min_tokens, a.prompt_max_tokens, a.max_new_tokens, a.seed,
                          a.batch_size, a.backend)
     train, held = make_corpus_workload(a.target, a.out, cfg, out_format=a.format)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdistill.core.fp8 import is_quantized_name, quantize_blockwise
+from specdistill.launch.command import common_flags, start
 
 def make_fp8(src: Path, dst: Path, block: int = 128) -> Path:
     src, dst = Path(src), Path(dst)
@@ -52,11 +53,11 @@ def make_fp8(src: Path, dst: Path, block: int = 128) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common_flags(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
     parser.add_argument("--block", type=int, default=128, help="weight block size (square)")
-    args = parser.parse_args()
+    args = start(parser.parse_args())
     print(make_fp8(args.src, args.dst, args.block))
 
 

@@ -11,6 +11,7 @@ pretraining after N steps (the default is the full schedule, ~1 h on 2 cores; it
 import argparse
 import time
 
+from specdistill.launch.command import common_flags, start
 from specdistill.launch.small_real import make_small_real
 from specdistill.launch.targets import TINY_TARGETS, make_target, target_summary
 
@@ -18,11 +19,11 @@ BUILDERS = ["small-real", *TINY_TARGETS]
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Build a tiny target checkpoint (deterministic).")
+    p = common_flags(argparse.ArgumentParser(description="Build a tiny target checkpoint (deterministic)."))
     p.add_argument("name", help=f"one of: {', '.join(BUILDERS)}")
     p.add_argument("out_dir")
     p.add_argument("--fit-steps", type=int, default=None, help="0 = random init; default: the spec's count")
-    a = p.parse_args(argv)
+    a = start(p.parse_args(argv))
     if a.name not in BUILDERS:
         p.error(f"unknown target {a.name!r}; valid names: {', '.join(BUILDERS)}")
     t0 = time.perf_counter()

@@ -8,10 +8,11 @@ import argparse
 
 from specdistill.data.synthetic import make_workload
 from specdistill.data.workload import DEFAULT_PROMPT_TOKENS
+from specdistill.launch.command import common_flags, start
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common_flags(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     p.add_argument("--target", required=True, help="target checkpoint directory")
     p.add_argument("--out", required=True, help="output directory for train.jsonl / heldout.jsonl")
     p.add_argument("--rows", type=int, required=True)
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="sigma of the log prompt length (0: every prompt ~prompt-tokens; 0.3 spreads like real ones)")
     p.add_argument("--backend", default="auto", choices=("auto", "vllm", "hf"))
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    a = start(p.parse_args(argv))
     train, held = make_workload(a.target, a.out, a.rows, a.heldout, a.max_new_tokens, a.prompt_tokens, a.seed,
                                 a.backend, a.prompt_spread)
     print(f"wrote {train} and {held}")

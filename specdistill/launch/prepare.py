@@ -33,8 +33,9 @@ def resolve_target(cfg: TargetConfig, cache_dir: Path) -> Path:
     if cfg.name in COMMITTED_TARGETS:
         path = COMMITTED_TARGETS[cfg.name]
         if not (path / "model.safetensors").is_file():
-            raise FileNotFoundError(f"target={cfg.name}: {path}/model.safetensors is missing from this checkout; "
-                                    f"rebuild it with `specdistill-make-target {cfg.name} {path}`")
+            raise FileNotFoundError(f"target={cfg.name}: {path}/model.safetensors is missing from this installation of "
+                                    f"specdistill (its wheel ships it); rebuild it with `specdistill-make-target "
+                                    f"{cfg.name} {path}`")
         return path
     if cfg.name not in TINY_TARGETS:
         raise ValueError(f"unknown target {cfg.name!r}; valid names: "

@@ -28,17 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from specdistill.launch.config import register_configs
+from specdistill.launch.command import common_flags, start
+from specdistill.launch.config import compose_config
 from specdistill.launch.ranks import Store, die_with_parent, torchrun_env
 from specdistill.trainer.layout import plan_node
 
 log = logging.getLogger("specdistill.ray_job")
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 _POLL_S = 2.0
 _ACTOR_TIMEOUT_S = 300.0  # starting an actor or a call on it; a stuck cluster fails the job instead of hanging it
 
@@ -140,9 +139,7 @@ class TrainerRank:
 def compose_run(overrides: list[str]) -> DictConfig:
     """The config specdistill.launch.train will compose from the same overrides (strict: typos fail here, before any
     resources are reserved), with the hydra node, for the run dir."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    return compose_config(overrides, return_hydra_config=True)
 
 
 def resolve_run_dir(cfg: DictConfig) -> Path:
@@ -245,11 +242,11 @@ def wait(ranks: list) -> list[int]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="specdistill-ray-job", description=__doc__.split("\n\n")[0])
+    parser = common_flags(argparse.ArgumentParser(prog="specdistill-ray-job", description=__doc__.split("\n\n")[0]))
     parser.add_argument("--nodes", type=int, default=None, help="nodes to use (default: every alive node)")
     parser.add_argument("--reserve-timeout", type=float, default=300.0, help="seconds to wait for resources")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, exactly as for specdistill-train")
-    return parser.parse_args(argv)
+    return start(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from specdistill.data.regenerate import RegenerateSettings, merge_shards, regenerate
+from specdistill.launch.command import own_flags
 from specdistill.launch.config import TargetConfig
 
 
@@ -52,8 +53,9 @@ def run(cfg: RegenerateConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = own_flags(sys.argv[1:] if argv is None else argv, __doc__)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    summary = run(parse(sys.argv[1:] if argv is None else argv))
+    summary = run(parse(argv))
     print(json.dumps(summary))
 
 

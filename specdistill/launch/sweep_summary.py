@@ -1,6 +1,6 @@
 """Sweep summary: after `specdistill-train -m ...`, one table of every run in the sweep dir.
 
-A Hydra Callback (registered in conf/config.yaml's hydra.callbacks): on_multirun_end reads each job's
+A Hydra Callback (registered in specdistill/conf/config.yaml's hydra.callbacks): on_multirun_end reads each job's
 metrics.json and .hydra/overrides.yaml and writes SWEEP_DIR/sweep_summary.md and sweep_summary.csv.
 It reads the files rather than the jobs' return values so it works for any launcher, including ones that run
 jobs in other processes, and a job that left no metrics.json shows up as a row saying so.

@@ -67,7 +67,7 @@ def _hybrid_kwargs(vocab_size: int, **ids) -> dict:
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        # The mission's lengths: ~5k-token prompts in 32,768-token packs (conf/data/mission.yaml). RoPE has no
+        # The mission's lengths: ~5k-token prompts in 32,768-token packs (specdistill/conf/data/mission.yaml). RoPE has no
         # weights, so the context changes the config only, never the fitted model.
         max_position_embeddings=32768, tie_word_embeddings=False, **ids,
     )

@@ -1,7 +1,7 @@
 """The main job: specdistill-train drafter=NAME target=NAME|target.path=DIR [key=value ...]
 (several drafters from one prefill: drafters=[NAME,NAME,...], specdistill/trainer/entries.py)
 
-Hydra composes conf/ (strict schemas, specdistill/launch/config.py), this builds the Trainer and runs it. The run
+Hydra composes specdistill/conf/ (strict schemas, specdistill/launch/config.py), this builds the Trainer and runs it. The run
 directory (hydra.run.dir) ends with export/ (export/<name>/ per drafter of a drafters=[...] run) and metrics.json;
 re-running with the same directory resumes from its last checkpoint.
 """
@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from specdistill.core.run_dir import RunDir  # noqa: E402
 from specdistill.data.token_store import open_store  # noqa: E402
-from specdistill.launch.config import register_configs  # noqa: E402
+from specdistill.launch.command import own_flags_of_sys_argv  # noqa: E402
+from specdistill.launch.config import CONFIG_PATH, register_configs  # noqa: E402
 from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
 from specdistill.launch.ranks import launch_local  # noqa: E402
 from specdistill.trainer.layout import torchrun_sizes  # noqa: E402
@@ -36,8 +37,9 @@ log = logging.getLogger("specdistill")
 register_configs()
 
 
-# An absolute path: a console script (specdistill-train) has no calling file Hydra could resolve "../../conf" from.
-@hydra.main(config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="config", version_base=None)
+# The configs inside the installed package (specdistill/conf/), found wherever it is installed; `--config-dir DIR`
+# adds a user's own (docs/launching.md, "Your own configs").
+@hydra.main(config_path=CONFIG_PATH, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> dict:
     os.umask(0o077)  # checkpoints, exports, logs and shared memory of a run are private to its user
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
@@ -124,7 +126,9 @@ def _relaunch_as_ranks(ranks: int, run_dir: Path) -> dict:
 
 
 def cli() -> None:
-    """The `specdistill-train` command (main's metrics dict is not an exit status)."""
+    """The `specdistill-train` command (main's metrics dict is not an exit status). `--version` (the package's, not
+    Hydra's) and `--verbose` are taken before Hydra parses the rest; `--help` stays Hydra's (the config groups)."""
+    own_flags_of_sys_argv()
     main()
 
 

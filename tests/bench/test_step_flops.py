@@ -26,7 +26,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.drafter_steps import SMALL, build, mission_pack, write_target
+from bench.drafter_steps import build
+from bench.production_target import SMALL, mission_pack, write_target
 from bench.step_flops import meta_drafter, mission_rows, pack_counts, production_target, step_flops
 from specdistill.core.batch import layout_ids
 from specdistill.core.target import TargetHead

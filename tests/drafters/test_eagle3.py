@@ -262,7 +262,7 @@ def test_off_by_one_layer_ids_are_caught_by_the_acceptance_check(served, tmp_pat
     serves losslessly, but the counters no longer match the offline walk."""
     if served["name"] != "tiny-llama":
         pytest.skip("run once, on the exact fp32 target")
-    from bench.vllm_serve import serve
+    from specdistill.evaluation.vllm_serve import serve
     from tests.serving_helpers import MAX_TOKENS
 
     broken = tmp_path / "export"

@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from specdistill.launch.small_real import ASSET_DIR as TARGET, CORPUS_DIR as DATA
+
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "specdistill/launch/assets/small-real-corpus"
-TARGET = ROOT / "specdistill/launch/assets/small-real"
 
 
 def _rows(name: str, picks: list[int]) -> list[tuple[list[int], list[int]]]:

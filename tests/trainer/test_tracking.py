@@ -7,14 +7,11 @@ import zlib
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize
 from omegaconf import OmegaConf
 
 from specdistill.core.run_dir import RunDir
-from specdistill.launch.config import register_configs
+from specdistill.launch.config import compose_config
 from specdistill.trainer.tracking import LoggerConfig, Tracker, flatten_lists
-
-register_configs()
 
 RECORDS = [{"step": 1, "loss": 2.0, "accuracy_per_position": [0.5, 0.25], "tau_estimate": 1.7},
            {"step": 2, "loss": 1.5, "accuracy_per_position": [0.625, 0.375], "tau_estimate": 1.9}]
@@ -22,21 +19,17 @@ FINAL = {"tau_offline": 2.5, "per_position_acceptance": [0.875, 0.5], "export_di
          "final_loss": 1.5, "conditional_acceptance": None, "skipped_rows": {"train": {}}}
 
 
-def compose_run(overrides):
-    with initialize(config_path="../../conf", version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
 
 def test_logger_group_defaults_to_none_and_wandb_to_offline():
-    assert OmegaConf.to_object(compose_run([]).logger) == LoggerConfig(backend="none")
-    cfg = compose_run(["logger=wandb", "logger.project=p"])
+    assert OmegaConf.to_object(compose_config([]).logger) == LoggerConfig(backend="none")
+    cfg = compose_config(["logger=wandb", "logger.project=p"])
     assert (cfg.logger.backend, cfg.logger.mode, cfg.logger.project) == ("wandb", "offline", "p")
 
 
 @pytest.mark.parametrize("override", ["logger.mdoe=online", "logger=tensorboard"])
 def test_logger_typos_fail_at_compose(override):
     with pytest.raises(Exception, match="mdoe|tensorboard"):
-        compose_run([override])
+        compose_config([override])
 
 
 def test_bad_mode_names_the_valid_ones(tmp_path):

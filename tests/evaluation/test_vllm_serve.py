@@ -1,4 +1,4 @@
-"""bench/vllm_serve.py against real vLLM: a DFlash drafter built with speculators' own classes, on the tiny llama.
+"""specdistill/evaluation/vllm_serve.py against real vLLM: a DFlash drafter built with speculators' own classes, on the tiny llama.
 
 The drafter is independent of our trainer: speculators' DFlashSpeculatorConfig + DFlashDraftModel, random init,
 then a few weights set by hand so that it drafts something the target sometimes accepts (see
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from bench.vllm_serve import compare, read_prompts, report_lines, serve, speculative_config
+from specdistill.evaluation.vllm_serve import compare, read_prompts, report_lines, serve, speculative_config
 
 pytestmark = pytest.mark.vllm  # engine-starting tests are marked slow too
 
@@ -176,7 +176,7 @@ def test_read_prompts(tmp_path):
 def test_tau_per_step_corrects_for_steps_without_a_draft():
     """2 requests, 10 + 6 output tokens: 14 after the two prefill tokens. 4 drafted steps gave 4 + 6 accepted
     tokens, so 4 steps had no draft: f = 4 / 8 and tokens per step = 14 / 8 = 1 + f * (tau - 1)."""
-    from bench.vllm_serve import ServeResult, SpecCounters
+    from specdistill.evaluation.vllm_serve import ServeResult, SpecCounters
 
     counters = SpecCounters(num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6, accepted_per_pos=(3, 2, 1))
     result = ServeResult([[0] * 10, [0] * 6], "ngram", 3, counters)

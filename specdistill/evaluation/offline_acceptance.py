@@ -1,30 +1,25 @@
 """Offline acceptance of trained drafters on held-out rows: JSON per drafter and per stage, plus one plot.
 
-    python -m bench.acceptance --run RUN_DIR [--run RUN_DIR2 ...] --rows heldout.jsonl --out DIR \
+    specdistill-eval acceptance --run RUN_DIR [--run RUN_DIR2 ...] --rows heldout.jsonl --out DIR \
         [--drafter NAME ...] [--temperature 0] [--draft-mode greedy|sample] [--seed 0] [--max-rows N]
         [--max-tokens N] [--target DIR]
 
 Each run dir is a finished (or interrupted) training run (specdistill.evaluation.reload.load_run: its last checkpoint);
 every drafter it trained is evaluated (a `drafters=[...]` run has several), or those named by --drafter. The
-target defaults to the one the run trained against (metrics.json "target", else the resolved config). Writes
-DIR/acceptance.json ({"runs": {label: report}}, report = tau, per_position a_k, conditional a_k/a_{k-1}, counters,
-by_stage) and DIR/acceptance.png (a_k and conditional acceptance by position, one line per drafter), and prints
-`tau[label]: X` lines. The walk and the T > 0 rule are specdistill.evaluation.acceptance's (the same code as metrics.json's
-tau_offline).
+target defaults to the one the run trained against (metrics.json "target"). Writes DIR/acceptance.json
+({"runs": {label: report}}, report = tau, per_position a_k, conditional a_k/a_{k-1}, counters, by_stage) and
+DIR/acceptance.png (a_k and conditional acceptance by position, one line per drafter), and prints `tau[label]: X`
+lines. The walk and the T > 0 rule are specdistill.evaluation.acceptance's (the same code as metrics.json's
+tau_offline). The command line: specdistill/launch/evaluate.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from specdistill.core.run_dir import RunDir  # noqa: E402
+from specdistill.core.run_dir import RunDir
 
 
 def run_target(run_dir: Path) -> Path:
@@ -103,39 +98,29 @@ def plot(reports: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", action="append", required=True, type=Path, help="training run dir (repeatable)")
-    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (specdistill/data/synthetic.py rows)")
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--drafter", action="append", default=[],
-                    help="of a drafters=[...] run, the drafter to evaluate by its name (repeatable; default: all)")
-    ap.add_argument("--target", type=Path, default=None, help="default: the target each run trained against")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--draft-mode", default="greedy", choices=("greedy", "sample"),
-                    help="T > 0: greedy drafts (as vLLM) or drafts sampled from the draft distribution")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-rows", type=int, default=None)
-    ap.add_argument("--max-tokens", type=int, default=None, help="stop each response after N tokens (max_tokens)")
-    args = ap.parse_args(argv)
+def acceptance_reports(runs: list[Path], rows_path: Path, drafters: list[str], target_dir: Path | None,
+                       temperature: float, draft_mode: str, seed: int, max_rows: int | None,
+                       max_tokens: int | None) -> dict:
+    """{label: AcceptanceReport} of every chosen drafter of every run (labels drafter:run, unique)."""
     reports = {}
-    for run_dir in args.run:
-        for name in run_drafters(run_dir, args.drafter):
-            name, report = evaluate_run(run_dir, args.rows, args.target, args.temperature, args.draft_mode,
-                                        args.seed, args.max_rows, args.max_tokens, name)
+    for run_dir in runs:
+        for name in run_drafters(run_dir, drafters):
+            name, report = evaluate_run(run_dir, rows_path, target_dir, temperature, draft_mode, seed, max_rows,
+                                        max_tokens, name)
             reports[run_label(run_dir, name, set(reports))] = report
-    args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"rows": str(args.rows), "temperature": args.temperature, "draft_mode": args.draft_mode,
-               "seed": args.seed, "argv": sys.argv, "runs": {k: r.to_dict() for k, r in reports.items()}}
-    (args.out / "acceptance.json").write_text(json.dumps(payload, indent=2) + "\n")
-    plot(reports, args.out / "acceptance.png", f"{args.rows.name}, T={args.temperature:g}")
-    for label, report in reports.items():
-        stages = " ".join(f"{s}={c.tau:.2f}" for s, c in sorted(report.by_stage.items()))
-        print(f"by_stage[{label}]: {stages}")
-    for label, report in reports.items():
-        print(f"tau[{label}]: {report.total.tau:.3f}")
-    return 0
+    return reports
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def write_reports(reports: dict, out: Path, settings: dict) -> None:
+    """out/acceptance.json (the settings, argv and every report) and out/acceptance.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {**settings, "argv": sys.argv, "runs": {k: r.to_dict() for k, r in reports.items()}}
+    (out / "acceptance.json").write_text(json.dumps(payload, indent=2) + "\n")
+    plot(reports, out / "acceptance.png", f"{Path(settings['rows']).name}, T={settings['temperature']:g}")
+
+
+def summary_lines(reports: dict) -> list[str]:
+    """Per stage, then the `tau[label]: X` lines last."""
+    lines = [f"by_stage[{label}]: " + " ".join(f"{s}={c.tau:.2f}" for s, c in sorted(r.by_stage.items()))
+             for label, r in reports.items()]
+    return lines + [f"tau[{label}]: {r.total.tau:.3f}" for label, r in reports.items()]

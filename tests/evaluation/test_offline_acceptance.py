@@ -1,13 +1,13 @@
-"""bench/acceptance.py end to end on hand-made runs: two random DFlash drafters (K 3 and 2) on the tiny llama,
-held-out rows with stages; JSON per drafter and per stage, the plot, seeded T > 0; the same two drafters as one
-`drafters=[...]` run: each evaluated, or the one named."""
+"""`specdistill-eval acceptance` (specdistill/evaluation/offline_acceptance.py) end to end on hand-made runs: two
+random DFlash drafters (K 3 and 2) on the tiny llama, held-out rows with stages; JSON per drafter and per stage,
+the plot, seeded T > 0; the same two drafters as one `drafters=[...]` run: each evaluated, or the one named."""
 
 import json
 
 import pytest
 import torch
 
-from bench.acceptance import main
+from specdistill.launch.evaluate import main
 from specdistill.core.run_dir import RunDir
 from specdistill.core.target import TargetInfo
 from specdistill.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -72,7 +72,8 @@ def setup(tmp_path_factory, tiny_target):
 
 def run_cli(setup, out, *extra, runs=None):
     all_runs, rows, _ = setup
-    args = [a for r in runs or all_runs[:2] for a in ("--run", str(r))] + ["--rows", str(rows), "--out", str(out), *extra]
+    args = ["acceptance", *(a for r in runs or all_runs[:2] for a in ("--run", str(r))), "--rows", str(rows),
+            "--out", str(out), *extra]
     assert main(args) == 0
     return json.loads((out / "acceptance.json").read_text())
 

@@ -1,4 +1,4 @@
-"""bench/turns.py: recorded-turn format and generator, the replay scheduler (dependencies, pauses, users), ties,
+"""specdistill/evaluation/turns.py: recorded-turn format and generator, the replay scheduler (dependencies, pauses, users), ties,
 and (vllm, slow) the whole benchmark against `vllm serve` with the tiny llama at U = 1 and 2."""
 
 import json
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from bench.turn_format import Call, Turn, read_turns, split_messages, turns_from_rows, write_turns
-from bench.turns import Config, rank, replay_turn, run_users, table
+from specdistill.evaluation.turn_format import Call, Turn, read_turns, split_messages, turns_from_rows, write_turns
+from specdistill.evaluation.turns import Config, rank, replay_turn, run_users, table
 from specdistill.data.workload import STAGE_CALLS
 
 
@@ -121,11 +121,11 @@ def llama_turns(tiny_target, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_benchmark_against_vllm_serve_at_one_and_two_users(llama_turns, tmp_path, capsys):
-    from bench.turns import main
+    from specdistill.launch.evaluate import main
 
     target, rows = llama_turns
     out = tmp_path / "r.json"
-    assert main(["--target", str(target), "--rows", str(rows), "--method", "base", "--users", "1,2",
+    assert main(["turns", "--target", str(target), "--rows", str(rows), "--method", "base", "--users", "1,2",
                  "--repeats", "2", "--turns-per-user", "1", "--max-tokens", "6", "--json", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("turn_p50_s: ") and lines[-1].endswith("(base)")

