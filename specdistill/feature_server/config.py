@@ -1,4 +1,4 @@
-"""Feature-server settings (conf/feature_server/*.yaml override these defaults)."""
+"""Feature-server settings (specdistill/conf/feature_server/*.yaml override these defaults)."""
 
 from dataclasses import dataclass
 
@@ -23,7 +23,7 @@ class FeatureServerConfig:
     positions: str = "read"
     device: str = "cpu"  # auto | cpu | cuda: where the target runs (specdistill/trainer/layout.py assigns GPU indices)
     # true: each trainer rank's workers run on the rank's own device, not on GPUs of their own, so one GPU holds the
-    # whole loop (conf/layout/gpu1.yaml); false: a layout needing more GPUs than the node has is refused.
+    # whole loop (specdistill/conf/layout/gpu1.yaml); false: a layout needing more GPUs than the node has is refused.
     share_trainer_device: bool = False
     dtype: str | None = None  # target compute dtype; None = the checkpoint's
     # A worker that owes rows and sends nothing this long while the trainer waits is hung (a stuck GPU, a

@@ -1,4 +1,4 @@
-"""Trainer settings: the single place their defaults are stated (conf/trainer/*.yaml only overrides)."""
+"""Trainer settings: the single place their defaults are stated (specdistill/conf/trainer/*.yaml only overrides)."""
 
 from dataclasses import dataclass
 

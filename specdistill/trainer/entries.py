@@ -9,7 +9,7 @@ run's). Entries step in turn on each pack.
 
 An entry on the command line is a drafter config name (`dflash`), or a mapping:
     {drafter: dflash, name: dflash_b16, block_size: 16, trainer: {lr: 0.001, feature_ablation: zero}}
-`drafter` is the kind (conf/drafter/NAME.yaml); `name` the entry's name (default: the kind, then kind_2, kind_3 for
+`drafter` is the kind (specdistill/conf/drafter/NAME.yaml); `name` the entry's name (default: the kind, then kind_2, kind_3 for
 repeats), used for export/<name>/, its metrics and its wandb series; `trainer` a subset of the trainer settings
 (ENTRY_TRAINER_KEYS); every other key is a field of that drafter's config.
 

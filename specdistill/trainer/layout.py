@@ -1,9 +1,9 @@
 """Node layout: which device each trainer rank and each feature worker of one node gets.
 
-Production node (conf/layout/node.yaml): 8 GPUs = trainer.ranks (2) trainer GPUs + feature_server.workers (6)
+Production node (specdistill/conf/layout/node.yaml): 8 GPUs = trainer.ranks (2) trainer GPUs + feature_server.workers (6)
 vLLM workers, one GPU each; each local trainer rank owns workers // ranks of them and reads only their features
-(node-local shared memory). On CPU (conf/layout/cpu.yaml, the default here) everything runs on "cpu".
-One GPU (conf/layout/gpu1.yaml): feature_server.share_trainer_device=true puts each rank's workers on the rank's own
+(node-local shared memory). On CPU (specdistill/conf/layout/cpu.yaml, the default here) everything runs on "cpu".
+One GPU (specdistill/conf/layout/gpu1.yaml): feature_server.share_trainer_device=true puts each rank's workers on the rank's own
 device, an explicit opt-in (the target's weights and activations then share that GPU's memory with the trainer's);
 without it a layout that needs more devices than the node has is refused.
 """
@@ -29,7 +29,7 @@ def plan_node(ranks: int, workers: int, trainer_device: str, worker_device: str,
     """Assign devices; raise a clear error when the node has fewer devices than the layout asks for.
 
     share_trainer_device (feature_server.share_trainer_device): each rank's workers run on the rank's own device
-    instead of devices of their own, so the whole loop fits one GPU (conf/layout/gpu1.yaml)."""
+    instead of devices of their own, so the whole loop fits one GPU (specdistill/conf/layout/gpu1.yaml)."""
     if ranks < 1 or workers < 1:
         raise ValueError(f"trainer.ranks={ranks} and feature_server.workers={workers} must both be >= 1")
     if workers % ranks:

@@ -1,4 +1,4 @@
-"""Run tracking: train_log.jsonl in the run dir always; wandb too when `logger=wandb` (conf/logger/).
+"""Run tracking: train_log.jsonl in the run dir always; wandb too when `logger=wandb` (specdistill/conf/logger/).
 
 wandb runs offline unless `logger.mode=online`: the run lands in RUN_DIR/wandb/offline-run-*/ and can be
 uploaded later with `wandb sync`. Nothing reaches the network by default, whatever WANDB_MODE says.
