@@ -93,6 +93,10 @@ stage drafter_steps 90 "$PY" bench/drafter_steps.py --device cuda --fed --drafte
 # Values and gradients of every kernel path, the gpu-marked flex tests included (they skip on CPU), and the pinned
 # pack pool + side-stream copy (tests/trainer/test_device_copy.py).
 stage kernel_tests 60 "$PY" -m pytest -q tests/kernels tests/trainer/test_device_copy.py -m "gpu or not gpu" -p no:cacheprovider
+# The same fed steps as before issue 38 (whole rows shipped, every position computed): the before of drafter_steps'
+# after, on the same card.
+stage drafter_steps_before 60 "$PY" bench/drafter_steps.py --device cuda --fed --drafters "${DRAFTERS:-eagle3,dflash}" \
+    --steps 3 --warmup 1 --positions all --compute all
 # Grouped MoE vs transformers (4096 tokens), response-only logits memory, compiled flex vs dense SDPA (4k/16k packs).
 stage kernels_bench 60 "$PY" bench/kernels.py --device cuda --reps 5
 
