@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdistill-installed
 
-.PHONY: demo test install clean-cache
+.PHONY: demo test test-all install clean-cache
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,14 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers, whole modules each (module-scoped engines stay shared): most of a test's time is one
 # process starting (an engine, a trainer), so two at once fill the two cores. TEST_WORKERS=0 runs in one process.
+# `make test` (CI) leaves out the tests marked long (pyproject.toml); `make test-all` runs every test.
 TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PYTEST) -m "not long" tests
+
+test-all: $(STAMP)
+	$(PYTEST) tests
 
 clean-cache:
 	rm -rf .cache/specdistill

@@ -41,10 +41,24 @@ def _session_processes(since: float) -> list:
     return found
 
 
+# Seconds each of the longest modules took in `make test` on the 2-core CI machine (pytest --durations, 2026-12-06,
+# after the cuts of that day): they start first, longest first, so neither worker ends the run alone on a long module.
+MODULE_SECONDS = {
+    "tests/test_e2e.py": 480, "tests/test_serving.py": 330, "tests/test_production_shape.py": 300,
+    "tests/test_many_drafters.py": 215, "tests/launch/test_ray_job.py": 180, "tests/feature_server/test_server.py": 145,
+    "tests/launch/test_targets.py": 140, "tests/drafters/test_eagle3.py": 130, "tests/test_wheel.py": 100,
+    "tests/drafters/test_mtp.py": 100, "tests/test_warm_start.py": 85, "tests/evaluation/test_offline_acceptance.py": 75,
+    "tests/evaluation/test_lossless.py": 65, "tests/launch/test_generate.py": 65, "tests/bench/test_pipeline_check.py": 65,
+    "tests/evaluation/test_vllm_serve.py": 62, "tests/feature_server/test_vllm_backend.py": 60,
+    "tests/data/test_token_store.py": 50, "tests/evaluation/test_turns.py": 48, "tests/bench/test_drafter_steps.py": 46,
+    "tests/launch/test_sweep.py": 45,
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test`: two workers, whole modules per worker) the modules that start vLLM engines
-    or run slow end-to-end jobs go first, so the run does not end with one worker on a long module while the other
-    idles. Order inside a module is kept; the Makefile turns off xdist's own reorder (by test count)."""
+    """Under pytest-xdist (`make test`: two workers, whole modules per worker) the longest modules go first, longest
+    first (MODULE_SECONDS; the others by their vLLM and slow marks), so the run does not end with one worker on a long
+    module while the other idles. Order inside a module is kept; the Makefile turns off xdist's own reorder."""
     if not _WORKER:
         return
     module_of = {item: item.nodeid.split("::")[0] for item in items}
@@ -52,6 +66,7 @@ def pytest_collection_modifyitems(config, items):
     for item, module in module_of.items():
         marks = {m.name for m in item.iter_markers()}
         weight[module] += 2 * ("vllm" in marks) + ("slow" in marks)
+    weight = {module: MODULE_SECONDS.get(module, w) for module, w in weight.items()}
     position = {module: i for i, module in enumerate(weight)}
     items.sort(key=lambda item: (-weight[module_of[item]], position[module_of[item]]))
 

@@ -22,7 +22,7 @@ from tests.cli import REPO, SMALL, run_bounded, run_train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["tiny-llama", "tiny-qwen3-next"])
+@pytest.mark.parametrize("target", ["tiny-llama", pytest.param("tiny-qwen3-next", marks=pytest.mark.long)])
 def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
     """The run directory a user gets, then a resume; after each normal end nothing of the run is left in /dev/shm,
     semaphores included (the kill -9 case: test_no_shared_memory_left_after_a_kill_9_and_resume)."""

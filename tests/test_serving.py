@@ -31,8 +31,10 @@ SHARED = ["drafters=[{drafter:dflash,num_layers:1,init_from_target:false},eagle3
           *(o for o in SERVED_TRAIN if not o.startswith("drafter."))]
 
 
-@pytest.fixture(scope="module", params=[("tiny-llama", "hf"), ("tiny-qwen3-next", "hf"), ("tiny-llama", "vllm")],
-                ids=["tiny-llama", "tiny-qwen3-next", "tiny-llama-vllm-features-shared-run"])
+@pytest.fixture(scope="module", params=[pytest.param(("tiny-llama", "hf"), id="tiny-llama"),
+                                        pytest.param(("tiny-qwen3-next", "hf"), id="tiny-qwen3-next",
+                                                     marks=pytest.mark.long),
+                                        pytest.param(("tiny-llama", "vllm"), id="tiny-llama-vllm-features-shared-run")])
 def served(request, tmp_path_factory, cache_dir, tiny_target, target_alone_runs):
     target, features = request.param
     target_dir = tiny_target(target)

@@ -223,7 +223,7 @@ TRAIN = ["drafter=eagle3", "drafter.draft_vocab_size=512", "data.rows=48", "data
          "trainer.checkpoint_every=24", "trainer.warmup_steps=4", "trainer.progress=false"]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3-next"])
+@pytest.fixture(scope="module", params=["tiny-llama", pytest.param("tiny-qwen3-next", marks=pytest.mark.long)])
 def served(request, tmp_path_factory, cache_dir, tiny_target, target_alone_runs):
     from tests.serving_helpers import served_run
     from tests.cli import run_train

@@ -44,6 +44,7 @@ def test_committed_checkpoint_is_a_real_small_lm():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_the_builder_reproduces_the_committed_tokenizer_and_first_steps(tmp_path):
     files = corpus_files()
     if digest(files) != BUILD_INFO["corpus_digest"]:
