@@ -152,9 +152,15 @@ def is_complete(directory: Path) -> bool:
 class TokenStore:
     """A built store, mapped read-only. `rows()` is the whole of it as a Rows view."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, source: str | Path | None = None):
+        """source: the file this store is opened for. The store is keyed by content, so another file with the same
+        bytes (another checkout's copy) shares it; reports and row locations name the caller's file, not the first
+        builder's."""
         self.dir = Path(directory)
         self.meta = json.loads((self.dir / "meta.json").read_text())
+        if source is not None:
+            self.meta["source"] = str(source)
+            self.meta["report"] = {**self.meta["report"], "path": str(source)}
         self.offsets = np.load(self.dir / "offsets.npy")
         self.lines = np.load(self.dir / "lines.npy")
         self.turns = np.load(self.dir / "turns.npy")
@@ -332,7 +338,7 @@ def open_store(path: str | Path, tokenizer_dir: str | Path, cache_dir: str | Pat
         with build_lock(final):
             if not is_complete(final):
                 _build(path, tokenizer_dir, final, workers or _cores(), progress, tokenize_settings(cfg))
-    store = TokenStore(final)
+    store = TokenStore(final, source=path)
     log.info("%s: %d rows, %d tokens, token store %s (%.2f s)", path, len(store), int(store.offsets[-1]), final,
              time.perf_counter() - t0)
     return store

@@ -91,6 +91,20 @@ def test_a_later_start_maps_the_store_and_never_tokenizes(tmp_path, tok_dir, mon
     assert isinstance(again.tokens, np.memmap)  # mapped, not read into the process
 
 
+def test_a_copy_of_the_file_elsewhere_shares_the_store_and_is_named_as_the_user_gave_it(tmp_path, tok_dir):
+    """Stores are keyed by content: another checkout's copy of a file maps the same store, and what the run reports
+    (skips, row locations) names the copy it was given, not the file of the first build."""
+    first_path = write_jsonl(tmp_path / "a" / "train.jsonl", [chat(i) for i in range(6)])
+    first = open_store(first_path, tok_dir, tmp_path / "cache", workers=1, progress=False)
+    copy = tmp_path / "b" / "train.jsonl"
+    copy.parent.mkdir()
+    shutil.copyfile(first_path, copy)
+    again = open_store(copy, tok_dir, tmp_path / "cache", workers=1, progress=False)
+    assert again.dir == first.dir
+    assert again.source == str(copy) and again.build_report().path == str(copy)
+    assert again.where(2).startswith(str(copy)) and first.where(2).startswith(str(first_path))
+
+
 def test_a_store_is_never_reused_for_another_file_or_tokenizer(tmp_path, tok_dir):
     path = write_jsonl(tmp_path / "train.jsonl", [chat(i) for i in range(10)])
     cache = tmp_path / "cache"
