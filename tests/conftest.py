@@ -41,17 +41,17 @@ def _session_processes(since: float) -> list:
     return found
 
 
-# Seconds each of the longest modules took in `make test` on the 2-core CI machine (pytest --durations, 2026-12-06,
-# after the cuts of that day): they start first, longest first, so neither worker ends the run alone on a long module.
+# Seconds each of the longest modules takes in `make test` on the 2-core CI machine (pytest --durations, 2026-12-06):
+# they start first, longest first, so neither worker ends the run alone on a long module.
 MODULE_SECONDS = {
-    "tests/test_e2e.py": 480, "tests/test_serving.py": 330, "tests/test_production_shape.py": 300,
-    "tests/test_many_drafters.py": 215, "tests/launch/test_ray_job.py": 180, "tests/feature_server/test_server.py": 145,
-    "tests/launch/test_targets.py": 140, "tests/drafters/test_eagle3.py": 130, "tests/test_wheel.py": 100,
-    "tests/drafters/test_mtp.py": 100, "tests/test_warm_start.py": 85, "tests/evaluation/test_offline_acceptance.py": 75,
-    "tests/evaluation/test_lossless.py": 65, "tests/launch/test_generate.py": 65, "tests/bench/test_pipeline_check.py": 65,
-    "tests/evaluation/test_vllm_serve.py": 62, "tests/feature_server/test_vllm_backend.py": 60,
-    "tests/data/test_token_store.py": 50, "tests/evaluation/test_turns.py": 48, "tests/bench/test_drafter_steps.py": 46,
-    "tests/launch/test_sweep.py": 45,
+    "tests/test_e2e.py": 495, "tests/test_production_shape.py": 330, "tests/test_serving.py": 280,
+    "tests/launch/test_ray_job.py": 170, "tests/test_many_drafters.py": 150, "tests/feature_server/test_server.py": 135,
+    "tests/drafters/test_eagle3.py": 130, "tests/drafters/test_mtp.py": 120, "tests/launch/test_targets.py": 100,
+    "tests/test_warm_start.py": 85, "tests/evaluation/test_vllm_serve.py": 80, "tests/test_wheel.py": 70,
+    "tests/evaluation/test_offline_acceptance.py": 70, "tests/evaluation/test_lossless.py": 65,
+    "tests/bench/test_pipeline_check.py": 60, "tests/bench/test_drafter_steps.py": 60,
+    "tests/feature_server/test_vllm_backend.py": 60, "tests/launch/test_generate.py": 45,
+    "tests/evaluation/test_turns.py": 40, "tests/trainer/test_parallel.py": 35, "tests/launch/test_sweep.py": 30,
 }
 
 
