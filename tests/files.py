@@ -1,4 +1,4 @@
-"""Small input files the tests write."""
+"""Small input files the tests write, and random tiny targets (checkpoints in seconds)."""
 
 import json
 
@@ -8,3 +8,10 @@ def write_jsonl(path, rows):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join((json.dumps(r) if r is not None else "") + "\n" for r in rows))
     return path
+
+
+def build_random_target(name: str, tmp_path_factory) -> str:
+    """specdistill.launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
+    from specdistill.launch.targets import make_target
+
+    return str(make_target(name, tmp_path_factory.mktemp(name), fit_steps=0))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specdistill.evaluation.vllm_serve import compare, read_prompts, report_lines, serve, speculative_config
+from tests.files import build_random_target
 
 pytestmark = pytest.mark.vllm  # engine-starting tests are marked slow too
 
@@ -67,13 +68,6 @@ def repetitive_prompts(vocab_size: int, n: int = 6) -> list[list[int]]:
     heads = torch.randint(3, vocab_size - 2, (n, 6), generator=g).tolist()
     tails = torch.randint(3, vocab_size - 2, (n,), generator=g).tolist()
     return [head + [tail] * 10 for head, tail in zip(heads, tails)]
-
-
-def build_random_target(name: str, tmp_path_factory) -> str:
-    """specdistill.launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
-    from specdistill.launch.targets import make_target
-
-    return str(make_target(name, tmp_path_factory.mktemp(name), fit_steps=0))
 
 
 @pytest.fixture(scope="module")

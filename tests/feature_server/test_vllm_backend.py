@@ -21,6 +21,7 @@ from specdistill.feature_server.hf_backend import HFBackend
 from specdistill.feature_server.shm_transport import LocalRegion, ShmChannel, segment_paths
 from specdistill.feature_server.vllm_backend import VLLMBackend
 from tests.feature_server.rows import fp8_bound
+from tests.files import build_random_target
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -71,13 +72,6 @@ def assert_matches_reference(got_TLD, all_ref_TLD, layer_ids, rel_tol: float, ab
             if 0 <= n < L1:
                 off = (got_TLD[:, j].float() - all_ref_TLD[:, n]).abs().max().item()
                 assert off > 4 * tol, f"layer id {k} is as close to id {n} ({off:.3g}) as tolerance {tol:.3g}"
-
-
-def build_random_target(name: str, tmp_path_factory) -> str:
-    """specdistill.launch.targets' tiny target, random weights (fit_steps=0): a few seconds instead of minutes of fitting."""
-    from specdistill.launch.targets import make_target
-
-    return str(make_target(name, tmp_path_factory.mktemp(name), fit_steps=0))
 
 
 @pytest.fixture(scope="module")
