@@ -22,9 +22,10 @@ or a frozen one whose input needs a gradient (the target's lm_head as the draft 
 Two totals:
   model     forward + backward as above: the MFU numerator. A step that skips work (response-only logits,
             anchored blocks) is not credited for work it does not do.
-  executed  model + overhead, where overhead is what the step computes beyond it: the chunked vocabulary losses
-            recompute their logits in backward (specdistill/kernels/logits/chunked.py; draft and target), DSpark's
-            loss takes dW of the frozen lm_head rows it concatenates with the Markov head, MTP's step k recomputes the
+  executed  model + overhead, where overhead is what the step computes beyond it: a chunked vocabulary loss over a
+            trained weight recomputes its logits in backward (specdistill/kernels/logits/chunked.py; draft and
+            target: DSpark's head, EAGLE-3's with train_lm_head; a frozen head forms its gradient in forward instead),
+            DSpark's loss takes dW of the frozen lm_head rows it concatenates with the Markov head, MTP's step k recomputes the
             queries of steps 1..k-1 (specdistill/drafters/mtp.py chain_attention). On CPU FlopCounterMode sees this.
 and, inside model, a lower bound on the work whose result no loss reads:
   unused    DFlash family: fc and K/V of context positions outside every anchor's window; EAGLE-3: step 0's last
@@ -225,13 +226,14 @@ def _dense_layer(t: _Tally, part: str, rows, shape, qkv_in=None, query_rows=None
     t.linear(part, q_rows, shape.intermediate, D)  # down
 
 
-def _target_logits(t: _Tally, U, M, D, V, keep: bool):
+def _target_logits(t: _Tally, U, M, D, V, keep: bool, head_trained: bool = False):
     """The target's logits a vocabulary loss compares with: once per distinct position where the step keeps them
-    (targets.DistinctTargets within its budget, fp32), else per scored row in each chunk, forward and backward."""
+    (targets.DistinctTargets within its budget, fp32), else per scored row in each chunk: in forward, and again in
+    backward where the draft head's weight is trained (kernels/logits/chunked.py)."""
     if keep and U * V * 4 <= TARGET_LOGITS_BUDGET:
         t.linear("target", U, D, V, weight_grad=False, input_grad=False)
     else:
-        t.linear("target", M, D, V, weight_grad=False, input_grad=False, recomputed=True)
+        t.linear("target", M, D, V, weight_grad=False, input_grad=False, recomputed=head_trained)
 
 
 def _dflash_flops(drafter, c: PackCounts) -> dict:
@@ -257,7 +259,8 @@ def _dflash_flops(drafter, c: PackCounts) -> dict:
 
 
 def _dflash_head(drafter, t, D, V, Q, M, U):
-    t.linear("vocab_head", M, D, V, weight_grad=False, recomputed=True)  # the target's lm_head, frozen
+    # The target's lm_head, frozen: the chunked loss forms dloss/dh in forward (no recomputation).
+    t.linear("vocab_head", M, D, V, weight_grad=False)
     if drafter.cfg.loss == "kl":  # target logits: once per position (read) or per scored row in each chunk (all)
         _target_logits(t, U, M, D, V, keep=drafter.compute == "read")
     else:  # greedy target token once per distinct position
@@ -268,11 +271,11 @@ def _dspark_head(drafter, t, D, V, Q, M, U):
     cfg, r = drafter.cfg, (drafter.cfg.markov_rank if drafter.markov_head is not None else 0)
     # logits = [h; f] @ [W_lm; W2]^T in one chunked KL: W_lm frozen, W2 trained. The concatenated weight needs a
     # gradient, so the chunked backward forms dW over all D + r columns: the W_lm part is overhead.
-    t.linear("vocab_head", M, D, V, weight_grad=False, recomputed=True)
+    t.linear("vocab_head", M, D, V, weight_grad=False, recomputed=bool(r))  # without a Markov head: W_lm alone, frozen
     if r:
         t.linear("vocab_head", M, r, V, recomputed=True)
         t.add("vocab_head", overhead=2.0 * M * D * V)
-    _target_logits(t, U, M, D, V, keep=drafter.compute == "read")
+    _target_logits(t, U, M, D, V, keep=drafter.compute == "read", head_trained=bool(r))
     if drafter.markov_head is not None and cfg.markov_head_type == "gated":
         t.linear("markov", Q, D + r, r)
     elif drafter.markov_head is not None and cfg.markov_head_type == "rnn":
@@ -286,7 +289,7 @@ def _dflash2_head(drafter, t, D, V, Q, M, U):
     G = D // cfg.conv_group_size
     for _ in range(2 * len(drafter.layers)):  # attention and MLP convolutions' dynamic kernels, per layer
         t.linear("conv", Q, D, 2 * cfg.conv_kernel_size * G)
-    t.linear("vocab_head", M, D, V, weight_grad=False, recomputed=True)
+    t.linear("vocab_head", M, D, V, weight_grad=False)  # frozen: its gradient formed in forward
     _target_logits(t, U, M, D, V, keep=drafter.compute == "read")
     t.linear("selector", M, D, V, weight_grad=False, input_grad=False)  # top-k candidates: a third vocab matmul
     t.linear("selector", M, D, cfg.selector_top_k, weight_grad=False)  # unary logits of the candidates
@@ -317,7 +320,7 @@ def _mtp_flops(drafter, c: PackCounts) -> dict:
         model = c.context_keys + N * k
         executed = k * c.context_keys + N * k * (k + 1) // 2
         t.attention("attention", model, s.num_heads, s.head_dim, executed_pairs=executed)
-    t.linear("vocab_head", c.M, D, V, weight_grad=False, recomputed=True)
+    t.linear("vocab_head", c.M, D, V, weight_grad=False)  # the target's lm_head, frozen: gradient formed in forward
     t.linear("target", U, D, V, weight_grad=False, input_grad=False)
     return t.result()
 
@@ -345,7 +348,7 @@ def _eagle3_flops(drafter, c: PackCounts) -> dict:
         t.unused += 12.0 * s.num_heads * s.head_dim * (causal - c.context_keys)  # chain n's step-0 query: c_n keys
     for step in range(1, cfg.ttt_steps):  # context up to the anchor + the chain's own keys of steps 1..step
         t.attention("attention", L * (c.context_keys + N * step), s.num_heads, s.head_dim)
-    t.linear("vocab_head", c.M, D, Vd, weight_grad=cfg.train_lm_head, recomputed=True)
+    t.linear("vocab_head", c.M, D, Vd, weight_grad=cfg.train_lm_head, recomputed=cfg.train_lm_head)
     t.linear("target", U, D, V, weight_grad=False, input_grad=False)  # greedy token over the whole vocabulary
     _target_logits(t, U, c.M, D, Vd, keep=True)  # kept per position in either mode (targets.DistinctTargets)
     return t.result()

@@ -146,3 +146,35 @@ def test_window_context_keeps_each_document_from_its_first_window_to_its_last_an
     assert window_context(doc, anchors, None).tolist() == [*range(0, 8), *range(16, 21)]
     assert window_context(doc, torch.tensor([9, 15, 23]), None) is None  # every position read: no gather
     assert window_context(doc, torch.zeros(0, dtype=torch.long), 3) is None
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dflash2", "eagle3", "mtp"])
+def test_vocabulary_gradient_formed_in_forward_equals_the_recomputing_backward(tiny_llama_dir, tmp_path, name,
+                                                                                monkeypatch):
+    """kernels/logits/chunked.py forms a frozen head's dloss/dh in the forward pass instead of recomputing the
+    logits in backward: every drafter's loss, metrics and gradients equal the recomputing path's (fp32, rtol 1e-5),
+    and a drafter whose vocabulary loss reads the frozen target lm_head really takes the in-forward path."""
+    info, drafter = small_drafter(name, tiny_llama_dir, tmp_path)
+    drafter.train()
+    head = TargetHead(info)
+    head.lm_head.weight.data *= 30
+    layer_ids = drafter.feature_spec().layer_ids
+    batch = pack(make_samples(info, layer_ids, LENGTHS, RESPONSE), layer_ids)
+    real = chunked_logits.chunked_loss
+    runs, fused_calls = {}, []
+    for fused in (None, False):  # None: the default (in forward wherever the weight is frozen)
+        def loss(*args, _fused=fused, **kwargs):
+            rows = real(*args, **kwargs, grad_in_forward=_fused)
+            fused_calls.append(_fused is None and not args[2].requires_grad)
+            return rows
+        for module in ("dflash", "dspark", "dflash2", "eagle3", "mtp"):
+            monkeypatch.setattr(f"specdistill.drafters.{module}.chunked_loss", loss, raising=False)
+        runs[fused] = step_and_grads(drafter, head, batch)
+    (out, grads), (r_out, r_grads) = runs[None], runs[False]
+    torch.testing.assert_close(out.loss, r_out.loss, rtol=RTOL, atol=0)
+    for field in ("correct_K", "total_K", "accepted_prefix_sum", "blocks"):
+        assert torch.equal(getattr(r_out, field), getattr(out, field)), field
+    assert len(grads) >= 3 and grads.keys() == r_grads.keys()
+    for key, grad in grads.items():
+        assert relative_error(r_grads[key], grad) <= RTOL, key
+    assert any(fused_calls) == (name != "dspark"), fused_calls  # DSpark trains part of its head's weight

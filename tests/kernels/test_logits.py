@@ -146,3 +146,54 @@ def test_precomputed_target_logits_by_row_index_equal_recomputing_them(kind):
     assert torch.equal(a.draft_token, b.draft_token) and torch.equal(a.target_token, b.target_token)
     with pytest.raises(ValueError, match="target_rows_M, one row index per hidden row"):
         chunked_loss(kind, hidden, weight, target_logits_UV=logits_UV, target_rows_M=rows_M[:-1])
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+@pytest.mark.parametrize("chunk", [4, 1000])
+def test_a_frozen_head_forms_its_gradient_in_forward_as_the_recomputing_backward_does(kind, chunk, monkeypatch):
+    """A frozen weight (the target's lm_head): the forward forms dloss/dh from its own logits and backward only
+    scales it by each row's upstream gradient. Loss and dL/dh equal the recomputing path's (fp32, rtol 1e-5) and
+    the reference's, and the logits are built once instead of twice."""
+    from specdistill.kernels.logits import chunked_loss
+
+    fast, ref, extra = CASES[kind]
+    hidden, weight, target, labels, g = inputs(torch.float32)
+    weight = weight.detach()
+    seen = []
+    real = chunked_module._chunk_logits
+    monkeypatch.setattr(chunked_module, "_chunk_logits", lambda *a: seen.append(a[6]) or real(*a))
+    results = {}
+    for fused in (True, False):
+        seen.clear()
+        rows = chunked_loss(kind, hidden, weight, *target, labels_M=labels, chunk=chunk, grad_in_forward=fused)
+        (d_hidden,) = torch.autograd.grad(rows.loss, hidden, g)
+        results[fused] = (rows.loss, d_hidden, len(seen))
+    args = (labels,) if extra == "labels" else target
+    expected = ref(hidden, weight, *args)
+    (expected_dh,) = torch.autograd.grad(expected, hidden, g)
+    chunks = -(-M // chunk)
+    assert results[True][2] == chunks and results[False][2] == 2 * chunks
+    for fused in (True, False):
+        assert rel_err(results[fused][0], expected) <= 1e-5 and rel_err(results[fused][1], expected_dh) <= 1e-5
+    assert torch.allclose(results[True][0], results[False][0], rtol=1e-5, atol=0)
+    assert torch.allclose(results[True][1], results[False][1], rtol=1e-5, atol=1e-7)
+
+
+def test_a_frozen_head_under_bf16_autocast_and_without_grad():
+    """Under bf16 autocast over an fp32 frozen head the in-forward gradient is the recomputing one's (both bf16
+    matmuls); under no_grad, or for a trained head, nothing is formed in forward (and asking for it there is an
+    error: dL/dW needs the upstream gradient inside its sum)."""
+    from specdistill.kernels.logits import chunked_loss
+
+    hidden, weight, target, _, g = inputs(torch.float32)
+    grads = []
+    for fused in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.nn.functional.linear(hidden * 1, torch.eye(D))
+            rows = chunked_loss("kl", h, weight.detach(), *target, chunk=4, grad_in_forward=fused)
+        grads.append(torch.autograd.grad(rows.loss, hidden, g)[0])
+    assert grads[0].dtype == torch.float32 and rel_err(grads[0], grads[1]) <= 2e-2
+    with torch.no_grad():
+        assert chunked_loss("kl", hidden, weight.detach(), *target, chunk=4).loss.shape == (M,)
+    with pytest.raises(ValueError, match="frozen weight_VD"):
+        chunked_loss("kl", hidden, weight, *target, grad_in_forward=True)

@@ -1,8 +1,13 @@
 """Response-only losses in chunks: logits exist for `chunk` positions at a time, in forward and backward.
 
 The caller gathers the M loss positions first (hidden_MD = hidden_TD[loss positions]), so no [T, V] tensor is
-ever built; this module also never holds [M, V]: forward keeps only the per-position losses, backward
-recomputes each chunk's logits (draft and target) and turns them into dL/dh and dL/dW right away.
+ever built; this module also never holds [M, V]. Two ways to get the gradient, equal up to float rounding:
+- the head's weight is frozen (the target's lm_head: DFlash, DFlash 2, MTP, EAGLE-3 without train_lm_head): the
+  forward turns each chunk's logits into dloss_m/dh_m right away and keeps only those [M, D]; backward scales row m
+  by the caller's dL/dloss_m. The logits are formed once, not again in backward (a third fewer vocabulary matmuls);
+- the weight is trained (DSpark's concatenated head): dL/dW = sum_m g_m dz_m^T h_m needs the caller's g_m inside
+  the sum, so forward keeps only the per-position losses and backward recomputes each chunk's logits (draft and
+  target) and turns them into dL/dh and dL/dW.
 Per-position losses are returned ([M], reduction left to the caller, e.g. D-PACE weights).
 
 Gradients w.r.t. the draft logits z (q = softmax z, p = target distribution, y = label):
@@ -53,21 +58,29 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV, target_rows_M, labels_M,
-                kind, chunk, ignore_index, want_tv):
+                kind, chunk, ignore_index, want_tv, grad_in_forward):
         losses, draft_tok, target_tok, tv = [], [], [], []
+        # grad_in_forward: dloss_m/dh_m per row, formed from this pass's logits (the weight is frozen)
+        d_hidden = torch.empty_like(hidden_MD) if grad_in_forward else None
         for c0 in range(0, hidden_MD.shape[0], chunk):
             z, t = _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV,
                                  target_rows_M, c0, chunk)
             lab = labels_M[c0:c0 + chunk] if labels_M is not None else None
-            losses.append(_loss_and_grad(kind, z, t, lab, ignore_index, need_grad=False)[0])
             draft_tok.append(z.argmax(-1))
             if t is not None:
                 target_tok.append(t.argmax(-1))
             if want_tv:
                 tv.append(0.5 * (torch.softmax(t, -1) - torch.softmax(z, -1)).abs().sum(-1))
-        ctx.save_for_backward(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV, target_rows_M,
-                              labels_M)
-        ctx.kind, ctx.chunk, ctx.ignore_index = kind, chunk, ignore_index
+            loss, dz = _loss_and_grad(kind, z, t, lab, ignore_index, need_grad=grad_in_forward)
+            losses.append(loss)
+            if grad_in_forward:
+                d_hidden[c0:c0 + chunk] = dz.to(weight_VD.dtype) @ weight_VD
+        if grad_in_forward:
+            ctx.save_for_backward(d_hidden)
+        else:
+            ctx.save_for_backward(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV,
+                                  target_rows_M, labels_M)
+        ctx.kind, ctx.chunk, ctx.ignore_index, ctx.grad_in_forward = kind, chunk, ignore_index, grad_in_forward
         # The backward recomputes the logits: under the same autocast as the forward (a bf16 activation times an
         # fp32 master weight only multiplies under autocast; torch.amp.custom_bwd does this for one device type).
         ctx.device_type = hidden_MD.device.type
@@ -81,6 +94,9 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_M, *_no_grad):
+        if ctx.grad_in_forward:
+            (d_hidden,) = ctx.saved_tensors
+            return (d_hidden * g_M[:, None].to(d_hidden.dtype),) + (None,) * 11
         with torch.autocast(ctx.device_type, dtype=ctx.autocast_dtype, enabled=ctx.autocast):
             return _ChunkedLoss._backward(ctx, g_M)
 
@@ -102,7 +118,7 @@ class _ChunkedLoss(torch.autograd.Function):
             if d_weight is not None:
                 d_weight.add_(dz.t() @ hidden_MD[c0:c0 + chunk].to(dz.dtype))  # accumulated over chunks in fp32
         d_weight = d_weight.to(weight_VD.dtype) if d_weight is not None else None
-        return d_hidden, d_weight, None, None, None, None, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None, None, None, None, None
 
 
 def _chunk_logits(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV, target_rows_M, c0,
@@ -129,14 +145,24 @@ class LossRows:
 
 def chunked_loss(kind: str, hidden_MD, weight_VD, target_hidden_MD=None, target_weight_VD=None, labels_M=None,
                  chunk: int = DEFAULT_CHUNK, ignore_index: int = -100, with_tv: bool = False,
-                 target_logits_UV=None, target_rows_M=None) -> LossRows:
+                 target_logits_UV=None, target_rows_M=None, grad_in_forward: bool | None = None) -> LossRows:
     """One chunked pass: per-row `kind` loss ("ce" to labels_M; "kl" / "tv" to the target's distribution) and,
     from the same logits, the greedy tokens a training step reports as metrics (and TV with with_tv=True).
 
     target_logits_UV, target_rows_M: the target's logits over weight_VD's vocabulary, computed by the caller for U
     positions, and which of them each of the M rows is; instead of target_hidden_MD / target_weight_VD. For a caller
     that scores the same target positions several times in a step (EAGLE-3's chain steps) and computes them once:
-    it holds [U, V] by its own choice, and every call shares it (rows are gathered a chunk at a time)."""
+    it holds [U, V] by its own choice, and every call shares it (rows are gathered a chunk at a time).
+
+    grad_in_forward: form dloss/dh in the forward pass instead of recomputing the logits in backward (module
+    docstring); None: whenever a gradient is wanted for hidden_MD and none for weight_VD. False is the reference the
+    tests compare it with."""
+    wanted = torch.is_grad_enabled() and hidden_MD.requires_grad
+    if grad_in_forward is None:
+        grad_in_forward = wanted and not weight_VD.requires_grad
+    elif grad_in_forward and weight_VD.requires_grad:
+        raise ValueError("grad_in_forward needs a frozen weight_VD: dL/dW sums the caller's per-row gradients")
+    grad_in_forward = grad_in_forward and wanted
     if kind == "ce":
         target_hidden_MD = target_weight_VD = target_logits_UV = target_rows_M = None
     elif target_logits_UV is not None:
@@ -148,7 +174,7 @@ def chunked_loss(kind: str, hidden_MD, weight_VD, target_hidden_MD=None, target_
         target_hidden_MD, target_weight_VD = target_hidden_MD.detach(), target_weight_VD.detach()
     loss, draft, target, tv = _ChunkedLoss.apply(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD,
                                                  target_logits_UV, target_rows_M, labels_M, kind, chunk, ignore_index,
-                                                 with_tv and kind != "ce")
+                                                 with_tv and kind != "ce", grad_in_forward)
     with_target = target_hidden_MD is not None or target_logits_UV is not None
     return LossRows(loss, draft, target if with_target else None, tv if with_tv and with_target else None)
 
