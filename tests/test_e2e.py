@@ -25,7 +25,7 @@ from tests.cli import REPO, SMALL, run_bounded, run_train
 @pytest.mark.parametrize("target", ["tiny-llama", pytest.param("tiny-qwen3-next", marks=pytest.mark.long)])
 def test_cli_end_to_end_then_resume(tmp_path, cache_dir, tiny_target, target):
     """The run directory a user gets, then a resume; after each normal end nothing of the run is left in /dev/shm,
-    semaphores included (the kill -9 case: test_no_shared_memory_left_after_a_kill_9_and_resume)."""
+    semaphores included (the kill -9 case: test_a_kill_9_leaves_no_shared_memory_and_the_resume_is_bit_identical)."""
     tiny_target(target)  # built once per session, shared with the other tests
     run_dir = tmp_path / "run"
     run = RunDir(run_dir)
@@ -157,46 +157,6 @@ def _orphaned_semaphores(before: set[str]) -> set[str]:
 
 
 @pytest.mark.slow
-def test_no_shared_memory_left_after_a_kill_9_and_resume(tmp_path, cache_dir, tiny_target):
-    """Nothing of a run stays in /dev/shm, semaphores included, after a kill -9 of the run's process group (no
-    handler, no atexit, no finally) followed by a resume that finishes the run (after a normal end:
-    test_cli_end_to_end_then_resume). Before one server per run, each such kill left 4 semaphores (a worker's task
-    Queue and the channel's wake-up)."""
-    import psutil
-
-    tiny_target("tiny-llama")
-    env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    semaphores_before = _semaphores()
-    run_dir = tmp_path / "killed"
-    args = [a for a in SMALL if not a.startswith("trainer.token_budget")]
-    args = ["target=tiny-llama", *args, "trainer.token_budget=256", "feature_server.workers=2",
-            f"hydra.run.dir={run_dir}"]
-    cmd = [sys.executable, "-m", "specdistill.launch.train", *args, "trainer.max_steps=200"]
-    # Its own process group, killed whole (multiprocessing's resource tracker too, which would otherwise unlink
-    # leaked semaphores once the trainer is gone): as a scheduler or an OOM killer ends a job.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while RunDir(run_dir).latest_checkpoint() is None:  # mid-run: workers extracting ahead of the step
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(60)
-        psutil.wait_procs(workers, timeout=60)  # they die with it (PR_SET_PDEATHSIG) and sweep on the way out
-    finally:
-        proc.kill()
-    assert all(not w.is_running() or w.status() == psutil.STATUS_ZOMBIE for w in workers)
-    assert _run_files(run_dir) == []
-    second = run_train([*args, "trainer.max_steps=4"], cache_dir)
-    assert "resumed from" in second.stdout + second.stderr
-    metrics = json.loads(RunDir(run_dir).metrics.read_text())
-    assert metrics["steps"] == 4 and metrics["samples_lost"] == metrics["samples_duplicated"] == 0
-    assert _run_files(run_dir) == [] and _orphaned_semaphores(semaphores_before) == set()
-
-
-@pytest.mark.slow
 def test_epochs_share_one_server_and_a_resume_at_an_epoch_boundary_loses_nothing(tmp_path, cache_dir, tiny_target):
     """One feature server per run: three epochs load the target once per worker. A run stopped right after an
     epoch's last step (its end not yet counted) resumes at the boundary: 0 lost, 0 twice, the epochs complete."""
@@ -221,10 +181,15 @@ def test_epochs_share_one_server_and_a_resume_at_an_epoch_boundary_loses_nothing
 
 
 @pytest.mark.slow
-def test_resume_after_kill_9_is_bit_identical_to_an_uninterrupted_run(tmp_path, cache_dir, tiny_target):
-    """kill -9 the trainer mid-run, resume from its last checkpoint: the final weights equal, bit for bit, those of
-    a run that was never interrupted (model, Muon + AdamW states, LR schedule, RNG, data position all restored)."""
-    from safetensors.torch import load_file
+def test_a_kill_9_leaves_no_shared_memory_and_the_resume_is_bit_identical(tmp_path, cache_dir, tiny_target):
+    """kill -9 the run's whole process group mid-run (no handler, no atexit, no finally: as a scheduler or an OOM
+    killer ends a job), resume from its last checkpoint:
+    - nothing of the run stays in /dev/shm, semaphores included, after the kill nor after the resumed run ends (after
+      a normal end: test_cli_end_to_end_then_resume); before one server per run, each such kill left 4 semaphores (a
+      worker's task Queue and the channel's wake-up);
+    - the final weights equal, bit for bit, those of a run never interrupted (model, Muon + AdamW states, LR
+      schedule, RNG, data position all restored), and the run files are private to the user."""
+    import psutil
 
     tiny_target("tiny-llama")
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
@@ -234,21 +199,30 @@ def test_resume_after_kill_9_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     straight = tmp_path / "straight"
     run_train([*args, f"hydra.run.dir={straight}"], cache_dir)
 
+    semaphores_before = _semaphores()
     resumed = tmp_path / "resumed"
     cmd = [sys.executable, "-m", "specdistill.launch.train", *args, f"hydra.run.dir={resumed}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Its own process group, killed whole (multiprocessing's resource tracker too, which would otherwise unlink
+    # leaked semaphores once the trainer is gone).
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while not RunDir(resumed).checkpoint(4).is_file():  # mid-run
+        while not RunDir(resumed).checkpoint(4).is_file():  # mid-run: the worker extracting ahead of the step
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(60)
+        psutil.wait_procs(workers, timeout=60)  # they die with it (PR_SET_PDEATHSIG) and sweep on the way out
     finally:
         proc.kill()
+    assert all(not w.is_running() or w.status() == psutil.STATUS_ZOMBIE for w in workers)
     assert not RunDir(resumed).metrics.exists()  # it really died mid-run
+    assert _run_files(resumed) == []
     second = run_train([*args, f"hydra.run.dir={resumed}"], cache_dir)
     assert "resumed from" in second.stdout + second.stderr
+    assert _run_files(resumed) == [] and _orphaned_semaphores(semaphores_before) == set()
     a, b = (load_file(RunDir(d).export / "model.safetensors") for d in (straight, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     m_a, m_b = (json.loads(RunDir(d).metrics.read_text()) for d in (straight, resumed))

@@ -15,7 +15,7 @@ import pytest
 
 from specdistill.evaluation.vllm_serve import serve
 from specdistill.core.run_dir import RunDir
-from specdistill.evaluation.reload import drafter_metrics
+from specdistill.evaluation.reload import drafter_metrics, export_dir
 from tests.serving_helpers import (MAX_TOKENS, SERVED_TRAIN, assert_acceptance_matches_offline, assert_lossless,
                                    served_run)
 from tests.cli import run_train
@@ -31,7 +31,10 @@ SHARED = ["drafters=[{drafter:dflash,num_layers:1,init_from_target:false},eagle3
           *(o for o in SERVED_TRAIN if not o.startswith("drafter."))]
 
 
-@pytest.fixture(scope="module", params=[pytest.param(("tiny-llama", "hf"), id="tiny-llama"),
+# The solo run on transformers' features is long (make test-all): the shared run's export/dflash/ is the same writer
+# and format served the same way, and the transformers and vLLM features are equal (tests/feature_server/
+# test_vllm_backend.py); a solo export at export/ is served in tests/drafters/test_eagle3.py and test_mtp.py.
+@pytest.fixture(scope="module", params=[pytest.param(("tiny-llama", "hf"), id="tiny-llama", marks=pytest.mark.long),
                                         pytest.param(("tiny-qwen3-next", "hf"), id="tiny-qwen3-next",
                                                      marks=pytest.mark.long),
                                         pytest.param(("tiny-llama", "vllm"), id="tiny-llama-vllm-features-shared-run")])
@@ -76,10 +79,10 @@ def test_served_acceptance_equals_offline_walk(served):
 # tell the two apart at this scale; tests/drafters/test_dflash.py asserts the flag the export writes instead.
 @pytest.mark.parametrize("mutation", ["layer_ids_off_by_one"])
 def test_a_broken_export_is_caught_by_the_acceptance_check(served, tmp_path, mutation):
-    if (served["name"], served["features"]) != ("tiny-llama", "hf"):
+    if (served["name"], served["features"]) != ("tiny-llama", "vllm"):
         pytest.skip("run once, on the exact fp32 target")
     broken = tmp_path / "export"  # directory name holds "export": vLLM's path guess would not say dflash
-    shutil.copytree(RunDir(served["run_dir"]).export, broken)
+    shutil.copytree(export_dir(served["run_dir"], served["drafter"]), broken)
     config = json.loads((broken / "config.json").read_text())
     config["aux_hidden_state_layer_ids"] = [i - 1 for i in config["aux_hidden_state_layer_ids"]]
     (broken / "config.json").write_text(json.dumps(config))

@@ -27,6 +27,7 @@ import torch
 BACKENDS = ("hf", "vllm")
 BACKEND_CHOICES = ("auto", *BACKENDS)
 AUTO_HF_MAX_PROMPT_TOKENS = 200_000  # resolve_backend: below this, a dense target's job stays in transformers
+AUTO_HF_MAX_HYBRID_ROWS = 32  # resolve_backend: up to this many rows, a hybrid target's job stays in transformers
 VLLM_IN_FLIGHT = 256  # requests the engine holds at once while streaming (its own max_num_seqs default)
 # model_types whose layers keep a recurrent state that left padding would corrupt (see module docstring)
 log = logging.getLogger(__name__)
@@ -98,12 +99,17 @@ def generate(model, prompts: Sequence[Sequence[int]], settings: GenerationSettin
     return responses
 
 
-def resolve_backend(name: str, target_dir: str | Path | None = None, prompt_tokens: int | None = None) -> str:
+def resolve_backend(name: str, target_dir: str | Path | None = None, prompt_tokens: int | None = None,
+                    rows: int | None = None) -> str:
     """The generation backend `name` stands for. hf and vllm are themselves; auto is vLLM where it is installed
-    (else transformers, said in the log), except for a small job on a dense target: given the target and the job's
-    prompt tokens, fewer than AUTO_HF_MAX_PROMPT_TOKENS on a target transformers can batch (no recurrent layers) go
-    to transformers, which finishes them before a vLLM engine has started (~25 s on 2 cores: 40 rows of a tiny
-    Llama took 0.8 s batched in transformers, 26 s through a fresh engine)."""
+    (else transformers, said in the log), except for a small job, which transformers finishes before a vLLM engine
+    has started (~25-30 s on 2 cores, a minute or more for a large target on a GPU). Given the target and the job's
+    prompt tokens (and rows), a small job is, below AUTO_HF_MAX_PROMPT_TOKENS prompt tokens:
+    - on a dense target, any number of rows (batched: 40 rows of a tiny Llama took 0.8 s, 26 s through a fresh
+      engine);
+    - on a hybrid target (recurrent layers, one row at a time in transformers), at most AUTO_HF_MAX_HYBRID_ROWS rows
+      (tiny-qwen3-next on 2 cores: 19 rows of 60-token prompts in 5.3 s against 67 s through vLLM; 17 mission rows
+      of ~5k tokens in 47 s against 185 s; a real hybrid target on a GPU takes ~2-3 s a row one at a time)."""
     if name not in BACKEND_CHOICES:
         raise ValueError(f"generation backend {name!r}; valid: {', '.join(BACKEND_CHOICES)}")
     if name != "auto":
@@ -114,7 +120,7 @@ def resolve_backend(name: str, target_dir: str | Path | None = None, prompt_toke
         return "hf"
     if target_dir is not None and prompt_tokens is not None and prompt_tokens < AUTO_HF_MAX_PROMPT_TOKENS:
         model_type = json.loads((Path(target_dir) / "config.json").read_text()).get("model_type")
-        if model_type not in RECURRENT_MODEL_TYPES:
+        if model_type not in RECURRENT_MODEL_TYPES or (rows is not None and rows <= AUTO_HF_MAX_HYBRID_ROWS):
             return "hf"
     return "vllm"
 

@@ -60,7 +60,8 @@ def resolve_data(cfg: DataConfig, target_dir: Path, cache_dir: Path) -> tuple[Pa
     if cfg.source not in DATA_SOURCES:
         raise ValueError(f"data.source={cfg.source!r}; valid: {', '.join(DATA_SOURCES)}")
     # The backend is part of the key: a bf16 hybrid target's greedy rows can differ between engines on near-ties.
-    backend = resolve_backend(cfg.generation_backend, target_dir, (cfg.rows + cfg.heldout_rows) * cfg.prompt_tokens)
+    rows = cfg.rows + cfg.heldout_rows
+    backend = resolve_backend(cfg.generation_backend, target_dir, rows * cfg.prompt_tokens, rows)
     settings = [cfg.rows, cfg.heldout_rows, cfg.prompt_tokens, cfg.max_new_tokens, cfg.seed, backend]
     if cfg.source == "corpus":
         settings = ["corpus", *settings, cfg.prompt_min_tokens]

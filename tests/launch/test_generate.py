@@ -160,3 +160,29 @@ def test_regenerate_rejects_unknown_keys_and_bad_rows(tmp_path):
     bad.write_text('{"input_ids": [1, 2]}\n{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match=r"line 2 \(row 1\).*messages, prompt, input_ids"):
         read_prompts(bad, chat=None)
+
+
+def test_auto_backend_keeps_small_jobs_in_transformers(tmp_path, monkeypatch):
+    """auto: transformers for a job it finishes before a vLLM engine starts (a dense target under the prompt-token
+    cap; a hybrid one, run a row at a time, also at most AUTO_HF_MAX_HYBRID_ROWS rows), vLLM otherwise."""
+    import importlib.util
+
+    from specdistill.data import generate as gen
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else
+                        real_find_spec(name, *a))
+    targets = {}
+    for model_type in ("llama", "qwen3_next"):
+        targets[model_type] = tmp_path / model_type
+        targets[model_type].mkdir()
+        (targets[model_type] / "config.json").write_text(json.dumps({"model_type": model_type}))
+    cap, rows = gen.AUTO_HF_MAX_PROMPT_TOKENS, gen.AUTO_HF_MAX_HYBRID_ROWS
+    assert gen.resolve_backend("auto", targets["llama"], cap - 1, 10 * rows) == "hf"
+    assert gen.resolve_backend("auto", targets["llama"], cap, 1) == "vllm"
+    assert gen.resolve_backend("auto", targets["qwen3_next"], cap - 1, rows) == "hf"
+    assert gen.resolve_backend("auto", targets["qwen3_next"], cap - 1, rows + 1) == "vllm"
+    assert gen.resolve_backend("auto", targets["qwen3_next"], cap - 1) == "vllm"  # rows unknown
+    assert gen.resolve_backend("auto", targets["qwen3_next"], cap, 1) == "vllm"
+    assert gen.resolve_backend("vllm", targets["llama"], 1, 1) == "vllm"
+    assert gen.resolve_backend("hf", targets["qwen3_next"], cap, 10 * rows) == "hf"
