@@ -25,10 +25,13 @@ def test_every_drafter_steps_fixed_and_fed_and_its_work_is_counted():
     for name in ("mtp", "eagle3", "dflash", "dspark", "dflash2"):
         step_s = values[f"{name}_step_ms"] / 1e3
         assert values[f"{name}_tokens_per_s"] == pytest.approx(PACK / step_s, rel=0.01)
-        # FlopCounterMode counts what runs: the analytic model work plus the recomputed logits (CPU attention kernels
-        # count 0), so the model count is below it, and not by more than the recompute and attention can explain.
+        # FlopCounterMode counts what runs, not the model work: above it, attention where a masked SDPA runs as bmm
+        # over the chunked segments (masked products too) and recomputed logits (DSpark); below it, no FLOPs for
+        # flash SDPA kernels or MTP's grouped MoE experts, and a frozen head's gradient formed in forward
+        # (kernels/logits/chunked.py) adds nothing to model. So only the order is checked here (model / counted seen: 0.69-1.12);
+        # the exact count against FlopCounterMode is tests/bench/test_step_flops.py's.
         model, counted = values[f"{name}_model_tflop"], values[f"{name}_counted_tflop"]
-        assert 0.5 * counted < model <= counted * 1.001, (name, model, counted)
+        assert 0.5 * counted < model < 2 * counted, (name, model, counted)
         # The fed path delivered a planned pack of the varying rows (data/packing.py; this one holds 0.89 of 2,048)
         assert values[f"{name}_fed_step_ms"] > 0 and 0.85 <= values[f"{name}_fed_pack_fill"] <= 1.0
         # A one-layer EAGLE-3 (trainer.compute=read) runs its only layer's queries at the chain anchors: nothing
