@@ -28,8 +28,8 @@ def test_every_drafter_steps_fixed_and_fed_and_its_work_is_counted():
         # FlopCounterMode counts what runs, not the model work: above it, attention where a masked SDPA runs as bmm
         # over the chunked segments (masked products too) and recomputed logits (DSpark); below it, no FLOPs for
         # flash SDPA kernels or MTP's grouped MoE experts, and a frozen head's gradient formed in forward
-        # (kernels/logits/chunked.py) adds nothing to model. So only the order is checked here (model / counted seen: 0.69-1.12);
-        # the exact count against FlopCounterMode is tests/bench/test_step_flops.py's.
+        # (kernels/logits/chunked.py) adds nothing to model. So only the order is checked here (model / counted
+        # seen: 0.69-1.12); the exact count against FlopCounterMode is tests/bench/test_step_flops.py's.
         model, counted = values[f"{name}_model_tflop"], values[f"{name}_counted_tflop"]
         assert 0.5 * counted < model < 2 * counted, (name, model, counted)
         # The fed path delivered a planned pack of the varying rows (data/packing.py; this one holds 0.89 of 2,048)
