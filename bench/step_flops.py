@@ -25,8 +25,9 @@ Two totals:
   executed  model + overhead, where overhead is what the step computes beyond it: a chunked vocabulary loss over a
             trained weight recomputes its logits in backward (specdistill/kernels/logits/chunked.py; draft and
             target: DSpark's head, EAGLE-3's with train_lm_head; a frozen head forms its gradient in forward instead),
-            DSpark's loss takes dW of the frozen lm_head rows it concatenates with the Markov head, MTP's step k recomputes the
-            queries of steps 1..k-1 (specdistill/drafters/mtp.py chain_attention). On CPU FlopCounterMode sees this.
+            DSpark's loss takes dW of the frozen lm_head rows it concatenates with the Markov head, MTP's step k
+            recomputes the queries of steps 1..k-1 (specdistill/drafters/mtp.py chain_attention). On CPU
+            FlopCounterMode sees this.
 and, inside model, a lower bound on the work whose result no loss reads:
   unused    DFlash family: fc and K/V of context positions outside every anchor's window; EAGLE-3: step 0's last
             layer (q, o, MLP, attention) at the pairs that start no scored chain (only its K/V are read later).
