@@ -81,8 +81,9 @@ class _ChunkedLoss(torch.autograd.Function):
             ctx.save_for_backward(hidden_MD, weight_VD, target_hidden_MD, target_weight_VD, target_logits_UV,
                                   target_rows_M, labels_M)
         ctx.kind, ctx.chunk, ctx.ignore_index, ctx.grad_in_forward = kind, chunk, ignore_index, grad_in_forward
-        # Unless grad_in_forward, the backward recomputes the logits: under the same autocast as the forward (a bf16 activation times an
-        # fp32 master weight only multiplies under autocast; torch.amp.custom_bwd does this for one device type).
+        # Unless grad_in_forward, the backward recomputes the logits: under the same autocast as the forward (a bf16
+        # activation times an fp32 master weight only multiplies under autocast; torch.amp.custom_bwd does this for
+        # one device type).
         ctx.device_type = hidden_MD.device.type
         ctx.autocast = torch.is_autocast_enabled(ctx.device_type)
         ctx.autocast_dtype = torch.get_autocast_dtype(ctx.device_type)
