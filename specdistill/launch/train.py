@@ -23,15 +23,14 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from specdistill.core.run_dir import RunDir  # noqa: E402
-from specdistill.data.token_store import open_store  # noqa: E402
 from specdistill.launch.command import own_flags_of_sys_argv  # noqa: E402
 from specdistill.launch.config import CONFIG_PATH, register_configs  # noqa: E402
-from specdistill.launch.prepare import resolve_data, resolve_target  # noqa: E402
-from specdistill.launch.ranks import launch_local  # noqa: E402
-from specdistill.trainer.layout import torchrun_sizes  # noqa: E402
-from specdistill.trainer.run_info import changes_on_resume, write_run_info  # noqa: E402
-from specdistill.trainer.trainer import Trainer  # noqa: E402
+
+# The trainer, the data preparation and the launchers are imported inside the functions that use them: every process
+# spawned under this command (feature workers, and the vLLM engine-core and worker processes they start) imports the
+# command's own module first (multiprocessing's spawn re-imports __main__), and the trainer's imports (transformers'
+# models among them) cost each of them ~2-4 s of CPU for nothing. A tiny-llama run with vLLM features on 2 cores:
+# 64 s -> 50 s (docs/launching.md, "Process start-up").
 
 log = logging.getLogger("specdistill")
 register_configs()
@@ -41,6 +40,11 @@ register_configs()
 # adds a user's own (docs/launching.md, "Your own configs").
 @hydra.main(config_path=CONFIG_PATH, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> dict:
+    from specdistill.data.token_store import open_store
+    from specdistill.launch.prepare import resolve_data, resolve_target
+    from specdistill.trainer.run_info import changes_on_resume, write_run_info
+    from specdistill.trainer.trainer import Trainer
+
     os.umask(0o077)  # checkpoints, exports, logs and shared memory of a run are private to its user
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -102,6 +106,8 @@ def _check_drafter_overrides(entries: list) -> None:
 def _adopt_torchrun_sizes(cfg: DictConfig) -> None:
     """Under torchrun: trainer.ranks = its processes per node, feature_server.workers >= one per rank, unless the
     command line set them (specdistill/trainer/layout.py torchrun_sizes)."""
+    from specdistill.trainer.layout import torchrun_sizes
+
     world = os.environ.get("LOCAL_WORLD_SIZE")
     explicit = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
     ranks, workers = torchrun_sizes(cfg.trainer.ranks, cfg.feature_server.workers, int(world) if world else None,
@@ -116,6 +122,9 @@ def _relaunch_as_ranks(ranks: int, run_dir: Path) -> dict:
     """trainer.ranks > 1 from a plain `specdistill-train`: start the ranks on this node with torchrun's
     environment (specdistill/launch/ranks.py; rendezvous on 127.0.0.1 only), with the run dir fixed so that every rank
     (and a later resume) writes to the same place."""
+    from specdistill.core.run_dir import RunDir
+    from specdistill.launch.ranks import launch_local
+
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
     code = launch_local(ranks, [*overrides, f"hydra.run.dir={run_dir}"])
     if code:

@@ -33,3 +33,17 @@ def test_eval_answers_the_package_version(capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out.strip() == f"specdistill {__version__}"
+
+
+def test_processes_spawned_under_the_train_command_do_not_import_the_trainer(tmp_path):
+    """multiprocessing's spawn re-imports the launching module in every child (feature workers, vLLM's engine
+    processes): specdistill.launch.train keeps the trainer, transformers and the launchers out of its own imports."""
+    import subprocess
+
+    probe = ("import runpy, sys; sys.argv = ['specdistill-train']; "
+             "runpy.run_module('specdistill.launch.train', run_name='__mp_main__'); "
+             "print(sorted(m for m in ('transformers', 'vllm', 'specdistill.trainer.trainer', 'specdistill.launch.prepare',"
+             " 'specdistill.launch.ranks') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
