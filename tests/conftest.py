@@ -6,6 +6,9 @@ import os
 # As specdistill/launch/train.py does, before torch loads OpenMP: this process and everything it starts wait passively at
 # OpenMP barriers, so tests' trainers, workers and engines sharing 2 cores do not spin against each other.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Runs' vLLM feature workers hold their engine in their own process (feature_server.engine_in_worker): ~25 s less
+# per worker start on 2 cores. tests/test_production_shape.py keeps vLLM's own layout (docs/vllm.md).
+os.environ.setdefault("SPECDISTILL_VLLM_ENGINE_IN_WORKER", "true")
 
 import time  # noqa: E402
 import uuid  # noqa: E402

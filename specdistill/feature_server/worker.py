@@ -45,6 +45,7 @@ class WorkerArgs:
     threads: int
     batch_tokens: int  # tokens per backend call (whole rows; a longer row goes alone)
     max_row_tokens: int | None  # the longest row the streams carry (None: the target's context)
+    engine_in_worker: bool  # vLLM: the engine in this process, not in processes of its own (config.py)
     parent_pid: int  # the trainer process: the worker exits when it dies
     tasks: object  # read end of a pipe: (stream id, row tuple) tasks; None = stop
 
@@ -68,6 +69,8 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
     _die_with_parent(args.parent_pid, channel.prefix)
     os.umask(0o077)  # whatever the backend writes is private to this user
     torch.set_num_threads(args.threads)
+    if args.engine_in_worker:  # read by vLLM when the backend builds its engine; this process is the worker's alone
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     batch, backend = [], None
     try:
         t0 = time.perf_counter()

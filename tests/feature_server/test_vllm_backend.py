@@ -124,6 +124,37 @@ def test_llama_states_match_transformers(llama_backend, tiny_llama):
         assert_matches_reference(got, ref, ALL_LAYERS, rel_tol=1e-5, abs_tol=1e-5)
 
 
+def test_an_engine_in_the_calling_process_gives_the_same_states(llama_backend, tiny_llama, tmp_path):
+    """feature_server.engine_in_worker (VLLM_ENABLE_V1_MULTIPROCESSING=0 in the worker's process): the engine runs
+    in the process that builds it, no engine-core process, and the states are bit-identical to vLLM's own layout's
+    (the module's engine). Run in a process of its own, as a feature worker is (docs/vllm.md)."""
+    import subprocess
+    import sys
+
+    rows = make_rows(llama_backend.vocab_size)
+    script = f"""
+import os, sys, torch
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from specdistill.core.contract import FeatureSpec
+from specdistill.feature_server.vllm_backend import VLLMBackend
+from tests.feature_server.test_vllm_backend import ALL_LAYERS, MAX_MODEL_LEN, make_rows
+if __name__ == "__main__":
+    backend = VLLMBackend({str(tiny_llama)!r}, FeatureSpec(ALL_LAYERS, hidden_dtype="float32"), device="cpu",
+                          dtype="float32", max_model_len=MAX_MODEL_LEN)
+    client = type(backend._llm.llm_engine.engine_core).__name__
+    torch.save({{"client": client, "states": backend.extract(make_rows(backend.vocab_size))}}, sys.argv[1])
+    backend.close()
+"""
+    out = tmp_path / "states.pt"
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(out)
+    assert got["client"] == "InprocClient"
+    for row, a, b in zip(rows, got["states"], llama_backend.extract(rows)):
+        assert torch.equal(a, b), f"row {row.row_id}: max diff {(a - b).abs().max().item():.3g}"
+
+
 def test_a_batched_prefill_gives_each_row_the_states_of_its_own_prefill(llama_backend):
     """Rows handed to the engine together (one scheduler step: 205 tokens <= max_num_batched_tokens) get the states
     each gets alone: batching changes throughput, never what the trainer sees."""
