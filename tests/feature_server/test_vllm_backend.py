@@ -131,6 +131,8 @@ def test_an_engine_in_the_calling_process_gives_the_same_states(llama_backend, t
     import subprocess
     import sys
 
+    from tests.cli import REPO
+
     rows = make_rows(llama_backend.vocab_size)
     script = f"""
 import os, sys, torch
@@ -147,7 +149,7 @@ if __name__ == "__main__":
 """
     out = tmp_path / "states.pt"
     proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                          cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(out)
     assert got["client"] == "InprocClient"
