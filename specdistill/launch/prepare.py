@@ -13,7 +13,7 @@ from specdistill.core.build_lock import build_lock, dead_scratch, publish_dir, s
 from specdistill.data.corpus_workload import CorpusWorkload, make_corpus_workload
 from specdistill.data.generate import resolve_backend
 from specdistill.launch.config import DataConfig, TargetConfig
-from specdistill.launch.small_real import ASSET_DIR as SMALL_REAL_DIR
+from specdistill.launch.assets import SMALL_REAL_DIR
 from specdistill.launch.targets import TINY_TARGETS, ensure_target
 from specdistill.data.synthetic import make_workload
 

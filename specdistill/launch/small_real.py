@@ -18,7 +18,6 @@ all load the same rounded values and compute in fp32, where vLLM's CPU path is e
 """
 
 import hashlib
-import importlib.resources
 import json
 import math
 import time
@@ -31,17 +30,12 @@ from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specdistill.data.corpus import corpus_files, digest, split
+from specdistill.launch.assets import SMALL_REAL_CORPUS_DIR, SMALL_REAL_DIR
 from specdistill.launch.tokenizer import MASK_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, CHAT_TEMPLATE, train_tokenizer
 
 
-def packaged_asset(name: str) -> Path:
-    """A folder of specdistill/launch/assets/ where the installed package holds it (a wheel's site-packages or a
-    checkout; pyproject.toml ships them as package data): transformers and vLLM open these checkpoints by path."""
-    return Path(str(importlib.resources.files("specdistill.launch").joinpath("assets", name)))
-
-
-ASSET_DIR = packaged_asset("small-real")
-CORPUS_DIR = packaged_asset("small-real-corpus")  # 3,000 + 64 rows of real text continued by small-real (make demo)
+ASSET_DIR = SMALL_REAL_DIR
+CORPUS_DIR = SMALL_REAL_CORPUS_DIR  # (make demo)
 EOT_TOKEN = PAD_TOKEN  # <|endoftext|> separates files in pretraining and ends a sample
 DIGEST_STEPS = 5  # build_info.json records the weights' digest after this many steps (the test replays them)
 

@@ -15,6 +15,9 @@ and with MTP additionally speculative_config={"method": "mtp", "num_speculative_
 tiny-qwen3.5-moe is transformers-only here (vLLM's Qwen3.5 module imports torchvision).
 """
 
+from __future__ import annotations
+
+import importlib
 import json
 import shutil
 import tempfile
@@ -22,20 +25,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen3_5MoeForCausalLM,
-    Qwen3_5MoeTextConfig,
-    Qwen3NextConfig,
-    Qwen3NextForCausalLM,
-)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 from specdistill.core.build_lock import build_lock, dead_scratch, publish_dir, scratch_name
 from specdistill.launch.tokenizer import EOS_TOKEN, PAD_TOKEN, as_hf, save_tokenizer, workload_tokenizer
@@ -50,14 +46,21 @@ CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "token
                     "generation_config.json")
 
 
+# transformers' model classes are named, not imported, here: the train command imports this module for the names
+# of the targets, and importing transformers' models costs a process ~3 s of CPU (docs/launching.md, "Process
+# start-up"). They are imported when a target is built.
 @dataclass(frozen=True)
 class TargetSpec:
     make_config: Callable[..., PretrainedConfig]  # (vocab_size, eos/pad/bos ids) -> config
-    model_class: type[PreTrainedModel]
+    model_class_name: str  # a transformers class: Qwen3NextForCausalLM, ...
     dtype: torch.dtype  # saved dtype; fitting is always fp32
     mtp_layers_key: str | None  # config key holding the MTP layer count, None = no MTP head
     fit_steps: int  # default; sized for ~60 s on one core, see `fit`
     fit_rows_per_step: int = 8  # llama learns the format faster from more, smaller steps
+
+    @property
+    def model_class(self) -> type[PreTrainedModel]:
+        return getattr(importlib.import_module("transformers"), self.model_class_name)
 
 
 def _hybrid_kwargs(vocab_size: int, **ids) -> dict:
@@ -74,14 +77,20 @@ def _hybrid_kwargs(vocab_size: int, **ids) -> dict:
 
 
 def _qwen3_next_config(vocab_size: int, **ids) -> PretrainedConfig:
+    from transformers import Qwen3NextConfig
+
     return Qwen3NextConfig(**_hybrid_kwargs(vocab_size, **ids), intermediate_size=256, num_nextn_predict_layers=1)
 
 
 def _qwen3_5_moe_config(vocab_size: int, **ids) -> PretrainedConfig:
+    from transformers import Qwen3_5MoeTextConfig
+
     return Qwen3_5MoeTextConfig(**_hybrid_kwargs(vocab_size, **ids), mtp_num_hidden_layers=1)
 
 
 def _llama_config(vocab_size: int, **ids) -> PretrainedConfig:
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=vocab_size, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
         num_key_value_heads=2, intermediate_size=256, max_position_embeddings=4096, tie_word_embeddings=False,
@@ -91,11 +100,11 @@ def _llama_config(vocab_size: int, **ids) -> PretrainedConfig:
 
 # Listed explicitly: the keys users type.
 TINY_TARGETS: dict[str, TargetSpec] = {
-    "tiny-qwen3-next": TargetSpec(_qwen3_next_config, Qwen3NextForCausalLM, torch.bfloat16,
+    "tiny-qwen3-next": TargetSpec(_qwen3_next_config, "Qwen3NextForCausalLM", torch.bfloat16,
                                   "num_nextn_predict_layers", fit_steps=70),
-    "tiny-qwen3.5-moe": TargetSpec(_qwen3_5_moe_config, Qwen3_5MoeForCausalLM, torch.bfloat16,
+    "tiny-qwen3.5-moe": TargetSpec(_qwen3_5_moe_config, "Qwen3_5MoeForCausalLM", torch.bfloat16,
                                    "mtp_num_hidden_layers", fit_steps=70),
-    "tiny-llama": TargetSpec(_llama_config, LlamaForCausalLM, torch.float32, None, fit_steps=280,
+    "tiny-llama": TargetSpec(_llama_config, "LlamaForCausalLM", torch.float32, None, fit_steps=280,
                              fit_rows_per_step=4),
 }
 
@@ -198,6 +207,8 @@ def _save(model: PreTrainedModel, extra: dict[str, torch.Tensor], dtype: torch.d
 
 def make_target(name: str, out_dir: str | Path, fit_steps: int | None = None) -> Path:
     """Write the checkpoint for tiny target `name` into `out_dir` (created; existing files overwritten)."""
+    from transformers import GenerationConfig
+
     spec = get_spec(name)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -91,7 +91,8 @@ def prompts(tiny_llama):
 
 @pytest.fixture(scope="module")
 def comparison(tiny_llama, drafter_dir, prompts):
-    return compare(tiny_llama, prompts, MAX_TOKENS, drafter_dir, "dflash", ignore_eos=True)
+    # vLLM's own process layout, as a user's serve() gets by default (the suite sets SPECDISTILL_SERVE_OWN_PROCESS)
+    return compare(tiny_llama, prompts, MAX_TOKENS, drafter_dir, "dflash", ignore_eos=True, own_process=False)
 
 
 def test_drafter_checkpoint_is_speculators_dflash(drafter_dir, tiny_llama):
@@ -139,6 +140,22 @@ def test_counters_agree_with_the_outputs_and_the_report_prints_them(comparison, 
     assert float(lines[-2].split(": ")[1]) == pytest.approx(1 + c.num_accepted_tokens / c.num_drafts, abs=1e-3)
     printed = [float(x) for x in lines[-1].split(": ")[1].split()]
     assert printed == pytest.approx([n / c.num_drafts for n in c.accepted_per_pos], abs=1e-3)
+
+
+@pytest.mark.slow
+def test_an_engine_in_a_process_of_its_own_serves_the_same(comparison, tiny_llama, drafter_dir, prompts):
+    """serve(own_process=True), what the served checks of this suite run: the same outputs and the same acceptance
+    counters as vLLM's own process layout."""
+    own = serve(tiny_llama, prompts, MAX_TOKENS, drafter_dir, "dflash", ignore_eos=True, own_process=True)
+    assert own.output_token_ids == comparison.spec.output_token_ids
+    assert own.counters == comparison.spec.counters and own.counters.num_accepted_tokens > 0
+    assert (own.method, own.num_speculative_tokens) == ("dflash", K)
+
+
+def test_own_process_setting_is_checked(tiny_llama, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_SERVE_OWN_PROCESS", "yes")
+    with pytest.raises(ValueError, match="SPECDISTILL_SERVE_OWN_PROCESS='yes'"):
+        serve(tiny_llama, [[5, 6, 7]], 4)
 
 
 def test_drafter_without_method_raises(tiny_llama, drafter_dir):

@@ -47,3 +47,16 @@ def test_processes_spawned_under_the_train_command_do_not_import_the_trainer(tmp
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_train_commands_own_imports_leave_out_transformers_models(tmp_path):
+    """What main() imports (data preparation, the trainer, the rank launcher) needs transformers' configs and
+    tokenizers only: its models cost a process ~3 s of CPU (docs/launching.md, "Process start-up")."""
+    import subprocess
+
+    probe = ("import sys; import specdistill.launch.train, specdistill.launch.prepare, specdistill.trainer.trainer, "
+             "specdistill.launch.ranks, specdistill.data.token_store, specdistill.trainer.run_info; "
+             "print([m for m in ('transformers.modeling_utils', 'vllm') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
