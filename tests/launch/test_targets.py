@@ -157,8 +157,11 @@ def test_concurrent_callers_wait_for_one_build(tmp_path, monkeypatch):
     assert calls == ["tiny-llama"] and targets.is_complete(tmp_path / "tiny-llama")
 
 
+# tiny-qwen3.5-moe's fit (~100 s of one core) is the same code as tiny-qwen3-next's with another config class, and
+# nothing else in make test trains on it: its check runs in make test-all.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n == "tiny-qwen3.5-moe" else n
+                                  for n in TINY_TARGETS])
 def test_fitted_target_greedy_is_structured(tiny_target, name):
     """The default fit turns the degenerate random target into one whose greedy outputs look like the workload.
     The session's targets are that default build (ensure_target -> make_target; the bytes are deterministic, see
