@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from specdistill.core.contract import FeatureSpec
+from specdistill.core.process_exit import exit_now
 from specdistill.feature_server.backends import build_backend
 from specdistill.feature_server.shm_transport import ShmProducer, sweep_segments
 
@@ -103,6 +104,7 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
         if backend is not None:
             backend.close()
     channel.close()  # flush the control queue before the process exits
+    exit_now(0)  # the trainer joins us now: no interpreter teardown (docs/launching.md, "Process start-up")
 
 
 class _TaskReader:

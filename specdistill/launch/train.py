@@ -23,6 +23,7 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from specdistill.core.process_exit import exit_now  # noqa: E402
 from specdistill.launch.command import own_flags_of_sys_argv  # noqa: E402
 from specdistill.launch.config import CONFIG_PATH, register_configs  # noqa: E402
 
@@ -139,6 +140,7 @@ def cli() -> None:
     Hydra's) and `--verbose` are taken before Hydra parses the rest; `--help` stays Hydra's (the config groups)."""
     own_flags_of_sys_argv()
     main()
+    exit_now(0)  # the run is written and closed: no interpreter teardown (docs/launching.md, "Process start-up")
 
 
 if __name__ == "__main__":
