@@ -38,25 +38,29 @@ def test_eval_answers_the_package_version(capsys):
 def test_processes_spawned_under_the_train_command_do_not_import_the_trainer(tmp_path):
     """multiprocessing's spawn re-imports the launching module in every child (feature workers, vLLM's engine
     processes): specdistill.launch.train keeps the trainer, transformers and the launchers out of its own imports."""
-    import subprocess
-
-    probe = ("import runpy, sys; sys.argv = ['specdistill-train']; "
-             "runpy.run_module('specdistill.launch.train', run_name='__mp_main__'); "
-             "print(sorted(m for m in ('transformers', 'vllm', 'specdistill.trainer.trainer', 'specdistill.launch.prepare',"
-             " 'specdistill.launch.ranks') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", out.stdout
+    loaded = _modules_after(tmp_path, "import runpy, sys; sys.argv = ['specdistill-train']; "
+                                      "runpy.run_module('specdistill.launch.train', run_name='__mp_main__')",
+                            ('transformers', 'vllm', 'specdistill.trainer.trainer', 'specdistill.launch.prepare',
+                             'specdistill.launch.ranks'))
+    assert loaded == []
 
 
 def test_the_train_commands_own_imports_leave_out_transformers_models(tmp_path):
     """What main() imports (data preparation, the trainer, the rank launcher) needs transformers' configs and
     tokenizers only: its models cost a process ~3 s of CPU (docs/launching.md, "Process start-up")."""
+    loaded = _modules_after(tmp_path, "import specdistill.launch.train, specdistill.launch.prepare, "
+                                      "specdistill.trainer.trainer, specdistill.launch.ranks, "
+                                      "specdistill.data.token_store, specdistill.trainer.run_info",
+                            ('transformers.modeling_utils', 'vllm'))
+    assert loaded == []
+
+
+def _modules_after(cwd, code: str, names: tuple[str, ...]) -> list[str]:
+    """Which of `names` a fresh interpreter has in sys.modules after running `code`."""
+    import ast
     import subprocess
 
-    probe = ("import sys; import specdistill.launch.train, specdistill.launch.prepare, specdistill.trainer.trainer, "
-             "specdistill.launch.ranks, specdistill.data.token_store, specdistill.trainer.run_info; "
-             "print([m for m in ('transformers.modeling_utils', 'vllm') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    probe = f"import sys; {code}; print(sorted(m for m in {names!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=cwd, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", out.stdout
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
