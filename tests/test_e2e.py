@@ -234,28 +234,30 @@ def test_a_kill_9_leaves_no_shared_memory_and_the_resume_is_bit_identical(tmp_pa
         assert path.stat().st_mode & 0o777 == 0o600, path
 
 
+# One row per pack (token_budget below two rows), every anchor used (no sampling): each step sees the same data
+# whether one rank accumulates two packs or two ranks take one each.
+RANKS_ARGS = ["target=tiny-llama", *(a for a in SMALL if not a.startswith(("trainer.token_budget", "data.rows"))),
+              "data.rows=16", "trainer.token_budget=200", "drafter.max_anchors=512", "trainer.max_steps=4",
+              "trainer.device=cpu", "trainer.eval_rows=1"]
+TWO_RANKS = ["trainer.ranks=2", "feature_server.workers=2"]
+
+
 @pytest.mark.slow
 def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(tmp_path, cache_dir, tiny_target):
     """DDP and FSDP2 (2 ranks x 1 pack, gradients averaged) vs 1 rank x 2 packs accumulated, on the same rows per
-    step: one row per pack (token_budget below two rows), every anchor used (no sampling), so each step sees the
-    same data on all sides. The logged loss (mean over ranks) must agree step by step; only float summation
-    order differs (gloo's all-reduce / reduce-scatter vs accumulation). Tolerance: 1e-4 relative for DDP (seen:
-    bit-identical at this size), 1e-3 for FSDP (seen: 8.2e-5). An FSDP run stopped at step 2 and resumed ends
-    bit-identical to the uninterrupted one: gathered weights and optimizer states, and each rank's data position
-    and RNG. The DDP run is plain `specdistill-train trainer.ranks=2`: it starts the ranks itself with torchrun's
-    environment, each rank streams its own shard from its own worker, rank 0 writes the run directory, and while it
-    runs no process of the run listens off loopback (torchrun's own store would listen on every interface)."""
+    step (RANKS_ARGS). The logged loss (mean over ranks) must agree step by step; only float summation order differs
+    (gloo's all-reduce / reduce-scatter vs accumulation). Tolerance: 1e-4 relative for DDP (seen: bit-identical at
+    this size), 1e-3 for FSDP (seen: 8.2e-5). The DDP run is plain `specdistill-train trainer.ranks=2`: it starts
+    the ranks itself with torchrun's environment, each rank streams its own shard from its own worker, rank 0 writes
+    the run directory, and while it runs no process of the run listens off loopback (torchrun's own store would
+    listen on every interface)."""
     from tests.listeners import SampledRun, off_loopback_listeners
 
     tiny_target("tiny-llama")
-    args = [a for a in SMALL if not a.startswith(("trainer.token_budget", "data.rows"))]
-    args = ["target=tiny-llama", *args, "data.rows=16", "trainer.token_budget=200", "drafter.max_anchors=512",
-            "trainer.max_steps=4", "trainer.device=cpu", "trainer.eval_rows=1"]
-    two_ranks = ["trainer.ranks=2", "feature_server.workers=2"]
-    one, two, fsdp, resumed = (tmp_path / name for name in ("one", "two", "fsdp", "resumed"))
-    run_train([*args, "trainer.grad_accum=2", f"hydra.run.dir={one}"], cache_dir)
+    one, two, fsdp = (tmp_path / name for name in ("one", "two", "fsdp"))
+    run_train([*RANKS_ARGS, "trainer.grad_accum=2", f"hydra.run.dir={one}"], cache_dir)
     env = {**os.environ, "SPECDISTILL_CACHE": str(cache_dir)}
-    cmd = [sys.executable, "-m", "specdistill.launch.train", *args, *two_ranks, f"hydra.run.dir={two}"]
+    cmd = [sys.executable, "-m", "specdistill.launch.train", *RANKS_ARGS, *TWO_RANKS, f"hydra.run.dir={two}"]
     ddp = SampledRun(cmd, cwd=REPO, env=env, sample=lambda proc: off_loopback_listeners(roots=(proc.pid,)),
                      deadline_s=600, every_s=0.5)
     code, out = ddp.finish()
@@ -264,7 +266,7 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
     assert re.search(started, out), out[-3000:]
     assert not ddp.found, f"listening off loopback: {ddp.found}"
     assert (RunDir(two).export / "model.safetensors").is_file()
-    run_train([*args, *two_ranks, "trainer.parallel=fsdp", f"hydra.run.dir={fsdp}"], cache_dir)
+    run_train([*RANKS_ARGS, *TWO_RANKS, "trainer.parallel=fsdp", f"hydra.run.dir={fsdp}"], cache_dir)
     logs = [[r for r in map(json.loads, RunDir(d).train_log.read_text().splitlines()) if "loss" in r]
             for d in (one, two, fsdp)]  # training records; the held-out points are records of their own
     assert [r["step"] for r in logs[0]] == [r["step"] for r in logs[1]] == [r["step"] for r in logs[2]] == [1, 2, 3, 4]
@@ -278,12 +280,21 @@ def test_two_ranks_and_one_rank_with_the_same_global_batch_take_the_same_steps(t
     assert m_one["train_tokens"] == m_two["train_tokens"] == m_fsdp["train_tokens"]  # summed over the ranks
     assert m_fsdp["samples_lost"] == m_fsdp["samples_duplicated"] == 0
 
-    stopped = [a for a in args if a != "trainer.max_steps=4"]
-    run_train([*stopped, *two_ranks, "trainer.parallel=fsdp", "trainer.max_steps=2", f"hydra.run.dir={resumed}"],
-              cache_dir)
-    second = run_train([*args, *two_ranks, "trainer.parallel=fsdp", f"hydra.run.dir={resumed}"], cache_dir)
+
+@pytest.mark.slow
+@pytest.mark.long  # tests/trainer/test_parallel.py resumes two FSDP ranks exactly; this is the same through the CLI
+def test_two_fsdp_ranks_stopped_and_resumed_end_as_the_uninterrupted_run(tmp_path, cache_dir, tiny_target):
+    """An FSDP run stopped at step 2 and resumed ends bit-identical to the uninterrupted one: gathered weights and
+    optimizer states, and each rank's data position and RNG."""
+    tiny_target("tiny-llama")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    fsdp = [*TWO_RANKS, "trainer.parallel=fsdp"]
+    run_train([*RANKS_ARGS, *fsdp, f"hydra.run.dir={whole}"], cache_dir)
+    stopped = [a for a in RANKS_ARGS if a != "trainer.max_steps=4"]
+    run_train([*stopped, *fsdp, "trainer.max_steps=2", f"hydra.run.dir={resumed}"], cache_dir)
+    second = run_train([*RANKS_ARGS, *fsdp, f"hydra.run.dir={resumed}"], cache_dir)
     assert "resumed from" in second.stdout + second.stderr
-    a, b = (load_file(RunDir(d).export / "model.safetensors") for d in (fsdp, resumed))
+    a, b = (load_file(RunDir(d).export / "model.safetensors") for d in (whole, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
