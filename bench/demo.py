@@ -36,13 +36,13 @@ from specdistill.evaluation.served_acceptance import identical_prefixes, served_
 from specdistill.core.quiet import quiet_libraries  # noqa: E402
 from specdistill.core.run_dir import RunDir  # noqa: E402
 from specdistill.data.formats import load_rows  # noqa: E402
-from specdistill.launch.small_real import ASSET_DIR, CORPUS_DIR  # noqa: E402
+from specdistill.launch.assets import SMALL_REAL_CORPUS_DIR, SMALL_REAL_DIR  # noqa: E402
 from specdistill.trainer.validation import split_heldout, usable_heldout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = Path("outputs/demo")
-TARGET = ASSET_DIR  # the committed small-real, as the installed package holds it
-TRAIN, HELDOUT = CORPUS_DIR / "train.parquet", CORPUS_DIR / "heldout.parquet"
+TARGET = SMALL_REAL_DIR  # the committed small-real, as the installed package holds it
+TRAIN, HELDOUT = SMALL_REAL_CORPUS_DIR / "train.parquet", SMALL_REAL_CORPUS_DIR / "heldout.parquet"
 STEPS = 200
 # Twice the default learning rates: a 200-step run has no time for the defaults' pace (measured on these rows, 160
 # steps: held-out tau 3.35 vs 3.08 on the selection half).

@@ -89,4 +89,4 @@ def test_no_module_of_the_package_looks_outside_it_through_its_own_path():
     module finds a file by walking up from `__file__` to the repository."""
     walking = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "specdistill").rglob("*.py"))
                for i, line in enumerate(p.read_text().splitlines(), 1) if WALKS_UP.search(line)]
-    assert not walking, f"{walking}: read package files with importlib.resources (specdistill/launch/small_real.py)"
+    assert not walking, f"{walking}: read package files with importlib.resources (specdistill/launch/assets.py)"

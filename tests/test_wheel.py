@@ -114,7 +114,7 @@ def test_a_users_config_dir_composes_over_the_packaged_configs(venv, tmp_path):
 def test_installed_train_runs_small_real_from_another_directory(venv, tmp_path):
     python, work = venv / "bin" / "python", tmp_path / "elsewhere"
     work.mkdir()
-    where = "import specdistill.launch.small_real as s; print(s.__file__); print(s.CORPUS_DIR)"
+    where = "import specdistill.launch.assets as s; print(s.__file__); print(s.SMALL_REAL_CORPUS_DIR)"
     module, corpus = _run([python, "-c", where], work).stdout.split()
     assert Path(module).is_relative_to(venv), f"specdistill imported from {module}, not from the installed wheel"
     rows = Path(corpus) / "heldout.parquet"  # the packaged corpus rows, as the wheel installed them

@@ -30,12 +30,9 @@ from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specdistill.data.corpus import corpus_files, digest, split
-from specdistill.launch.assets import SMALL_REAL_CORPUS_DIR, SMALL_REAL_DIR
 from specdistill.launch.tokenizer import MASK_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, CHAT_TEMPLATE, train_tokenizer
 
 
-ASSET_DIR = SMALL_REAL_DIR
-CORPUS_DIR = SMALL_REAL_CORPUS_DIR  # (make demo)
 EOT_TOKEN = PAD_TOKEN  # <|endoftext|> separates files in pretraining and ends a sample
 DIGEST_STEPS = 5  # build_info.json records the weights' digest after this many steps (the test replays them)
 

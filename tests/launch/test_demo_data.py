@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from specdistill.launch.small_real import ASSET_DIR as TARGET, CORPUS_DIR as DATA
+from specdistill.launch.assets import SMALL_REAL_CORPUS_DIR as DATA, SMALL_REAL_DIR as TARGET
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,17 +10,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdistill.core.target import TargetInfo
 from specdistill.data.corpus import corpus_files, digest
-from specdistill.launch.small_real import ASSET_DIR, DIGEST_STEPS, heldout_loss, make_small_real, own_sample_entropy
+from specdistill.launch.assets import SMALL_REAL_DIR
+from specdistill.launch.small_real import DIGEST_STEPS, heldout_loss, make_small_real, own_sample_entropy
 
-BUILD_INFO = json.loads((ASSET_DIR / "build_info.json").read_text())
+BUILD_INFO = json.loads((SMALL_REAL_DIR / "build_info.json").read_text())
 
 
 def test_committed_checkpoint_is_a_real_small_lm():
-    info = TargetInfo.load(ASSET_DIR)
+    info = TargetInfo.load(SMALL_REAL_DIR)
     assert (info.model_type, info.num_hidden_layers, info.hidden_size, info.torch_dtype) == ("llama", 6, 256, "float32")
-    tokenizer = AutoTokenizer.from_pretrained(ASSET_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(SMALL_REAL_DIR)
     assert tokenizer.convert_tokens_to_ids("<|mask|>") is not None and len(tokenizer) == info.vocab_size
-    model = AutoModelForCausalLM.from_pretrained(ASSET_DIR, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(SMALL_REAL_DIR, dtype=torch.float32).eval()
     # Measured here, not read from build_info.json: next-token loss on held-out corpus files it never trained on,
     # against the same windows under a random model of the same shape (~log 4096 = 8.3 nats: no knowledge).
     held = [f for f in corpus_files() if f.heldout][:8]
@@ -52,7 +53,7 @@ def test_the_builder_reproduces_the_committed_tokenizer_and_first_steps(tmp_path
                     f"(torch {BUILD_INFO['torch']}, corpus {BUILD_INFO['corpus_digest'][:12]})")
     # measure=False: the replays skip the held-out loss and own-sample entropy, which nothing here reads.
     out = make_small_real(tmp_path / "replay", steps=DIGEST_STEPS, log=lambda *_: None, measure=False)
-    assert (out / "tokenizer.json").read_bytes() == (ASSET_DIR / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer.json").read_bytes() == (SMALL_REAL_DIR / "tokenizer.json").read_bytes()
     replay = json.loads((out / "build_info.json").read_text())
     # The first steps' losses equal the committed build's to the 5 decimals recorded. The weights' digest does not
     # match bit for bit (seen: every replay gives 2ac61cfe..., the build recorded 4a52abcc...; the build ran under
