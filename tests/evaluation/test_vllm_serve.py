@@ -3,10 +3,11 @@
 The drafter is independent of our trainer: speculators' DFlashSpeculatorConfig + DFlashDraftModel, random init,
 then a few weights set by hand so that it drafts something the target sometimes accepts (see
 `make_speculators_dflash`), which makes the acceptance counters non-trivial. One base engine and one speculative
-engine start once for the whole module (the `comparison` fixture).
+engine start once for the whole module, one after the other in one engine host (the `comparison` fixture).
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -91,8 +92,8 @@ def prompts(tiny_llama):
 
 @pytest.fixture(scope="module")
 def comparison(tiny_llama, drafter_dir, prompts):
-    # vLLM's own process layout, as a user's serve() gets by default (the suite sets SPECDISTILL_SERVE_OWN_PROCESS)
-    return compare(tiny_llama, prompts, MAX_TOKENS, drafter_dir, "dflash", ignore_eos=True, own_process=False)
+    # Both engines, one after the other, in one engine host (specdistill/evaluation/engine_host.py)
+    return compare(tiny_llama, prompts, MAX_TOKENS, drafter_dir, "dflash", ignore_eos=True, own_process=True)
 
 
 def test_drafter_checkpoint_is_speculators_dflash(drafter_dir, tiny_llama):
@@ -143,13 +144,31 @@ def test_counters_agree_with_the_outputs_and_the_report_prints_them(comparison, 
 
 
 @pytest.mark.slow
-def test_an_engine_in_a_process_of_its_own_serves_the_same(comparison, tiny_llama, drafter_dir, prompts):
-    """serve(own_process=True), what the served checks of this suite run: the same outputs and the same acceptance
-    counters as vLLM's own process layout."""
-    own = serve(tiny_llama, prompts, MAX_TOKENS, drafter_dir, "dflash", ignore_eos=True, own_process=True)
-    assert own.output_token_ids == comparison.spec.output_token_ids
-    assert own.counters == comparison.spec.counters and own.counters.num_accepted_tokens > 0
-    assert (own.method, own.num_speculative_tokens) == ("dflash", K)
+def test_vllms_own_process_layout_serves_as_the_engine_host(comparison, tiny_llama, drafter_dir, prompts):
+    """serve(own_process=False), a user's default (an engine-core process beside the caller): the same outputs and
+    the same acceptance counters as the engine host's second engine of the module (what the suite's served checks
+    run: tests/conftest.py sets SPECDISTILL_SERVE_OWN_PROCESS)."""
+    layout = serve(tiny_llama, prompts, MAX_TOKENS, drafter_dir, "dflash", ignore_eos=True, own_process=False)
+    assert layout.output_token_ids == comparison.spec.output_token_ids
+    assert layout.counters == comparison.spec.counters and layout.counters.num_accepted_tokens > 0
+    assert (layout.method, layout.num_speculative_tokens) == ("dflash", K)
+
+
+def test_the_engine_host_is_kept_for_the_next_call_unless_a_call_failed_or_left_numba_imported():
+    from specdistill.evaluation import engine_host
+
+    try:
+        first = engine_host.run(os.getpid)
+        assert first != os.getpid() and engine_host.run(os.getpid) == first
+        # What vLLM's n-gram proposer leaves behind (a stand-in module: the rule reads sys.modules)
+        engine_host.run(exec, "import sys, types; sys.modules['numba'] = types.ModuleType('numba')")
+        second = engine_host.run(os.getpid)
+        assert second != first
+        with pytest.raises(ValueError, match="invalid literal for int"):  # raised in the host, re-raised here
+            engine_host.run(int, "x")
+        assert engine_host.run(os.getpid) not in (first, second)
+    finally:
+        engine_host.close()
 
 
 def test_own_process_setting_is_checked(tiny_llama, monkeypatch):

