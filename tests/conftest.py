@@ -34,12 +34,15 @@ os.environ[SESSION_MARK] = _mark if not _WORKER or _mark.endswith(f"-{_WORKER}")
 def _session_processes(since: float) -> list:
     import psutil
 
+    from specdistill.evaluation import engine_host
+
     mine, found = os.environ[SESSION_MARK], []
     for proc in psutil.process_iter(["pid", "create_time"]):
         if proc.pid == os.getpid() or proc.info["create_time"] < since:
             continue
         try:
-            session_helper = proc.ppid() == os.getpid() and any(  # multiprocessing's, reused all session
+            # multiprocessing's helpers and the served checks' engine host: reused all session
+            session_helper = proc.pid == engine_host.host_pid() or proc.ppid() == os.getpid() and any(
                 m in " ".join(proc.cmdline()) for m in ("resource_tracker", "forkserver"))
             if not session_helper and proc.environ().get(SESSION_MARK) == mine:
                 found.append(proc)

@@ -8,7 +8,10 @@ engine start once for the whole module, one after the other in one engine host (
 
 import json
 import os
+import signal
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -166,9 +169,27 @@ def test_the_engine_host_is_kept_for_the_next_call_unless_a_call_failed_or_left_
         assert second != first
         with pytest.raises(ValueError, match="invalid literal for int"):  # raised in the host, re-raised here
             engine_host.run(int, "x")
-        assert engine_host.run(os.getpid) not in (first, second)
+        third = engine_host.run(os.getpid)
+        assert third not in (first, second) and engine_host.host_pid() == third
+        os.kill(third, signal.SIGKILL)  # ended from outside while idle: the next call gets a fresh host
+        _wait_until_dead(third)
+        assert engine_host.run(os.getpid) not in (first, second, third)
     finally:
         engine_host.close()
+    assert engine_host.host_pid() is None
+
+
+def _wait_until_dead(pid: int, timeout_s: float = 30) -> None:
+    """Until `pid` is gone or a zombie (not reaped here: its parent's multiprocessing does that)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still running {timeout_s:.0f} s after SIGKILL")
 
 
 def test_own_process_setting_is_checked(tiny_llama, monkeypatch):
