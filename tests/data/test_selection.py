@@ -77,10 +77,11 @@ def test_rows_cut_to_the_context_are_rows_the_vllm_backend_takes(tmp_path, monke
     vllm_backend = pytest.importorskip("specdistill.feature_server.vllm_backend")
     from vllm.platforms import current_platform
 
-    monkeypatch.setattr("vllm.LLM", lambda **kwargs: object())  # the engine itself is not needed here
+    started = {}
+    monkeypatch.setattr("vllm.LLM", lambda **kwargs: started.update(kwargs) or object())  # no engine needed
     backend = vllm_backend.VLLMBackend(str(target), FeatureSpec((1,)), device=current_platform.device_type,
                                        dtype="float32", max_row_tokens=min(context, 4096))
-    assert backend.max_model_len == context
+    assert backend.max_model_len == started["max_model_len"] == context  # rounding up stops at the context
     backend._check_rows(list(rows))
     with pytest.raises(ValueError, match="row 0: 64 tokens"):
         backend._check_rows([TokenizedRow(0, (1,) * context, (0,) * (context - 1) + (1,))])

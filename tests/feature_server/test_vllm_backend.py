@@ -167,6 +167,15 @@ def test_a_batched_prefill_gives_each_row_the_states_of_its_own_prefill(llama_ba
         torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)  # fp32: summation order at most
 
 
+def test_the_engine_length_rounds_up_to_a_multiple_of_1024_within_the_context():
+    """An odd max_model_len gives a hybrid target's hidden-state cache blocks of one token, each a whole
+    linear-attention page (vllm_backend.engine_length): the engine starts with a rounded length instead."""
+    assert vllm_backend.engine_length(8953, 32768) == 9216
+    assert vllm_backend.engine_length(2048, 32768) == 2048
+    assert vllm_backend.engine_length(4097, 5000) == 5000  # never past the target's context
+    assert vllm_backend.engine_length(64, 64) == 64
+
+
 def test_properties_and_row_checks(llama_backend):
     assert (llama_backend.num_hidden_layers, llama_backend.hidden_size) == (4, 128)
     assert llama_backend.extract([]) == []
