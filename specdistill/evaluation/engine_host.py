@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import psutil
 
+from specdistill.core.progress_lock import thread_lock_for_progress_bars
 from specdistill.core.vllm_engine import engine_in_this_process
 
 T = TypeVar("T")
@@ -72,9 +73,15 @@ def _running_host() -> concurrent.futures.ProcessPoolExecutor:
         _close_locked()
     if _host is None:
         _host = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                       initializer=engine_in_this_process)
+                                                       initializer=_start_host)
         _host_pid = _host.submit(os.getpid).result()
     return _host
+
+
+def _start_host() -> None:
+    """In the host process, before its first call."""
+    engine_in_this_process()
+    thread_lock_for_progress_bars()  # a host killed while idle leaves nothing in /dev/shm
 
 
 def _alive(pid: int) -> bool:

@@ -29,6 +29,7 @@ import torch
 
 from specdistill.core.contract import FeatureSpec
 from specdistill.core.process_exit import exit_now
+from specdistill.core.progress_lock import thread_lock_for_progress_bars
 from specdistill.core.vllm_engine import engine_in_this_process
 from specdistill.feature_server.backends import build_backend
 from specdistill.feature_server.shm_transport import ShmProducer, sweep_segments
@@ -71,6 +72,7 @@ def worker_main(args: WorkerArgs, channel: ShmProducer) -> None:
     _die_with_parent(args.parent_pid, channel.prefix)
     os.umask(0o077)  # whatever the backend writes is private to this user
     torch.set_num_threads(args.threads)
+    thread_lock_for_progress_bars()  # a kill -9 of this worker leaves nothing in /dev/shm
     if args.engine_in_worker:  # this process is the worker's alone
         engine_in_this_process()
     batch, backend = [], None

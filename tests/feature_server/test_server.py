@@ -112,6 +112,11 @@ def test_worker_exception_names_worker_and_row_and_cleans_up(target, request):
     assert segment_paths(prefix) == []
 
 
+def _named_semaphores_mapped_by(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return [line.split(maxsplit=5)[-1].strip() for line in f if "/dev/shm/sem." in line]
+
+
 def _consume_killing(server, kill_after: int = 1):
     """Iterate, kill -9 one live worker after `kill_after` samples; returns row ids in arrival order."""
     got = []
@@ -147,6 +152,8 @@ def test_killed_worker_rows_are_reissued_exactly_once(target, request):
         got.append(sample.row_id)
         if len(got) == 3:
             dead = min(server.worker_pids())
+            # A named semaphore it maps (tqdm's default lock) would outlive the kill until the session's end.
+            assert _named_semaphores_mapped_by(server.worker_pids()[dead]) == []
             os.kill(server.worker_pids()[dead], signal.SIGKILL)
     stats = server.stats()
     assert sorted(got) == sorted(r.row_id for r in rows)  # nothing lost, nothing twice
