@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from specdistill.core.contract import FeatureSpec, TokenizedRow  # noqa: E402
+from specdistill.core.vllm_engine import target_text_config  # noqa: E402
 from specdistill.feature_server.backends import sample_tensors  # noqa: E402
 from specdistill.feature_server.shm_transport import RegionWriter, ShmChannel  # noqa: E402
 from specdistill.feature_server.vllm_backend import (  # noqa: E402
@@ -146,7 +147,8 @@ def bench_paths(rows: list[TokenizedRow]) -> dict[str, float]:
     file_times, direct_times = os.path.join(scratch, "file_engine.txt"), os.path.join(scratch, "direct_engine.txt")
     t = {"file_generate": [], "file_wait": [], "file_load_cast": [], "file_ring_copy": [], "direct_publish": []}
     with ShmChannel(64 << 20, producers=2, handle_signals=False) as ch:
-        kwargs = extraction_engine_kwargs(TARGET, SPEC.layer_ids, "float32", max_len)
+        context = target_text_config(TARGET).max_position_embeddings  # both engines start at the same length
+        kwargs = extraction_engine_kwargs(TARGET, SPEC.layer_ids, "float32", max_len, context=context)
         kwargs["kv_transfer_config"] = _connector_config(FileHandoffConnector, file_times, shared_storage_path=scratch)
         llm = LLM(**kwargs)
         try:

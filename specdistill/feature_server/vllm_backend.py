@@ -185,11 +185,13 @@ def engine_length(max_model_len: int, context: int) -> int:
     return max(max_model_len, min(rounded, context))
 
 
-def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str,
-                             max_model_len: int, batch_tokens: int | None = None) -> dict[str, Any]:
-    """vllm.LLM(...) kwargs for prefill-only hidden-state extraction at `layer_ids` (our convention = vLLM's).
+def extraction_engine_kwargs(target_dir: str, layer_ids: tuple[int, ...], dtype: str, max_model_len: int,
+                             batch_tokens: int | None = None, *, context: int) -> dict[str, Any]:
+    """vllm.LLM(...) kwargs for prefill-only hidden-state extraction at `layer_ids` (our convention = vLLM's), for
+    rows of up to max_model_len - 1 tokens; the engine's own max_model_len is `engine_length(max_model_len, context)`.
     A scheduler step prefills as many whole requests as fit `max(batch_tokens, max_model_len)` tokens (chunked
     prefill is off, so a step must hold the longest row whole)."""
+    max_model_len = engine_length(max_model_len, context)
     return dict(
         model=target_dir,
         dtype=dtype,
@@ -244,8 +246,8 @@ class VLLMBackend(FeatureBackend):
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         self.batch_tokens = batch_tokens or self.max_model_len
-        kwargs = extraction_engine_kwargs(target_dir, spec.layer_ids, dtype, engine_length(self.max_model_len, longest),
-                                          self.batch_tokens)
+        kwargs = extraction_engine_kwargs(target_dir, spec.layer_ids, dtype, self.max_model_len, self.batch_tokens,
+                                          context=longest)
         kwargs.update(engine_kwargs)
         from vllm import LLM
 
